@@ -1,0 +1,248 @@
+"""The KV indexer: which worker holds which cached prefix blocks.
+
+The radix tree over local block hashes is stored flat: a node is keyed by its *sequence* hash
+(router.hashing), which names the whole path from the root, so the child of node p through local
+hash l is simply `chain_hash(p, l)` and a lookup is one dict probe per block. Each node holds a
+bitmask of the workers that cache the block (a worker owns one bit, its slot).
+
+Membership is per block, as engines keep it: a worker matches the longest prefix whose blocks it
+all holds, and evicting a block in the middle of a chain leaves the blocks after it in place; they
+count again once the missing block is stored again.
+
+Memory is bounded by `max_nodes` (0 = unbounded): at the bound, new blocks are not indexed and are
+counted in `dropped_blocks`, so matches may under-report but never name a block a worker lacks.
+
+API (all sync; call from one thread, the router's event loop):
+    store(worker, seq_hashes) / remove(worker, seq_hashes) / clear_worker(worker) / remove_worker(worker)
+    find_matches(seq_hashes) -> Overlaps, a Mapping {worker: leading blocks it holds} (workers with >= 1)
+    dump() -> IndexerSnapshot / restore(snapshot) / memory() -> IndexerMemory
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Union
+
+import msgspec
+import numpy as np
+
+WorkerId = Union[str, int]
+
+
+class IndexerSnapshot(msgspec.Struct, frozen=True):
+    """Every worker's resident blocks (sequence hashes); msgpack-encodable."""
+
+    workers: dict[WorkerId, list[int]]
+
+
+class IndexerMemory(msgspec.Struct, frozen=True):
+    nodes: int  # distinct blocks
+    resident_blocks: int  # (worker, block) pairs
+    workers: int
+    dropped_blocks: int  # refused at the max_nodes bound
+    approx_bytes: int  # upper bound: containers plus every int they hold, as if none were shared
+
+
+class KvIndexer:
+    def __init__(self, max_nodes: int = 0) -> None:
+        if max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0 (0 = unbounded), got {max_nodes}")
+        self.max_nodes = max_nodes
+        self.dropped_blocks = 0
+        self._nodes: dict[int, int] = {}  # seq hash -> bitmask of worker slots
+        self._slot_of: dict[WorkerId, int] = {}
+        self._worker_at: list[WorkerId | None] = []  # slot -> worker
+        self._held: list[set[int]] = []  # slot -> seq hashes held
+        self._free_slots: list[int] = []
+
+    # -- workers ---------------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[WorkerId]:
+        return list(self._slot_of)
+
+    def _slot(self, worker: WorkerId) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._worker_at[slot] = worker
+            else:
+                slot = len(self._worker_at)
+                self._worker_at.append(worker)
+                self._held.append(set())
+            self._slot_of[worker] = slot
+        return slot
+
+    def clear_worker(self, worker: WorkerId) -> None:
+        """Forget every block of `worker` (AllBlocksCleared, or state dropped after a gap)."""
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        keep = ~(1 << slot)
+        nodes = self._nodes
+        for h in self._held[slot]:
+            mask = nodes[h] & keep
+            if mask:
+                nodes[h] = mask
+            else:
+                del nodes[h]
+        self._held[slot] = set()
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        self.clear_worker(worker)
+        del self._slot_of[worker]
+        self._worker_at[slot] = None
+        self._free_slots.append(slot)
+
+    # -- events ----------------------------------------------------------------------------------
+    def store(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
+        slot = self._slot(worker)
+        bit = 1 << slot
+        held = self._held[slot]
+        nodes = self._nodes
+        new = [h for h in seq_hashes if h not in held]
+        bound = self.max_nodes
+        if bound and len(nodes) + len(new) > bound:
+            kept = []
+            for h in new:
+                if h in nodes or len(nodes) < bound:
+                    nodes[h] = nodes.get(h, 0) | bit
+                    kept.append(h)
+                else:
+                    self.dropped_blocks += 1
+            new = kept
+        else:
+            get = nodes.get
+            for h in new:
+                nodes[h] = get(h, 0) | bit
+        held.update(new)
+
+    def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return
+        keep = ~(1 << slot)
+        held = self._held[slot]
+        nodes = self._nodes
+        for h in seq_hashes:
+            if h in held:
+                held.remove(h)
+                mask = nodes[h] & keep
+                if mask:
+                    nodes[h] = mask
+                else:
+                    del nodes[h]
+
+    def holds(self, worker: WorkerId, seq_hash: int) -> bool:
+        slot = self._slot_of.get(worker)
+        return slot is not None and seq_hash in self._held[slot]
+
+    def blocks_of(self, worker: WorkerId) -> int:
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else len(self._held[slot])
+
+    # -- queries ---------------------------------------------------------------------------------
+    def find_matches(self, seq_hashes: Sequence[int]) -> Overlaps:
+        """For each worker holding the first block, how many leading blocks it holds in a row."""
+        nodes = self._nodes
+        levels: list[tuple[int, int]] = []
+        if seq_hashes:
+            alive = nodes.get(seq_hashes[0], 0)
+            depth = 1
+            if alive:
+                for h in seq_hashes[1:]:
+                    still = alive & nodes.get(h, 0)
+                    if still != alive:
+                        levels.append((alive ^ still, depth))
+                        alive = still
+                        if not alive:
+                            break
+                    depth += 1
+                if alive:
+                    levels.append((alive, depth))
+        return Overlaps(levels, self._slot_of, self._worker_at)
+
+    # -- state -----------------------------------------------------------------------------------
+    def dump(self) -> IndexerSnapshot:
+        return IndexerSnapshot(workers={w: list(self._held[s]) for w, s in self._slot_of.items()})
+
+    def restore(self, snapshot: IndexerSnapshot) -> None:
+        """Replace the whole state with `snapshot`."""
+        self.__init__(self.max_nodes)  # type: ignore[misc]
+        for worker, hashes in snapshot.workers.items():
+            self._slot(worker)
+            self.store(worker, hashes)
+
+    def memory(self) -> IndexerMemory:
+        nodes = self._nodes
+        resident = sum(len(s) for s in self._held)
+        size = sys.getsizeof(nodes) + sum(sys.getsizeof(s) for s in self._held)
+        size += sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in nodes.items())
+        size += resident * sys.getsizeof(1 << 63)  # the held sets' hash ints
+        return IndexerMemory(
+            nodes=len(nodes),
+            resident_blocks=resident,
+            workers=len(self._slot_of),
+            dropped_blocks=self.dropped_blocks,
+            approx_bytes=size,
+        )
+
+
+class Overlaps(Mapping[WorkerId, int]):
+    """find_matches' answer, {worker: matched blocks}, kept as (workers bitmask, depth) levels: with
+    hundreds of workers sharing a system prompt, building the dict would cost more than the search,
+    and a router usually asks about a few workers of one pool. A snapshot: later indexer changes do
+    not alter it."""
+
+    __slots__ = ("_levels", "_slot_of", "_worker_at")
+
+    def __init__(self, levels: list[tuple[int, int]], slot_of: dict, worker_at: list) -> None:
+        self._levels = levels
+        # copies only when there is an answer: worker slots may be reused once the indexer moves on
+        self._slot_of = slot_of.copy() if levels else slot_of
+        self._worker_at = worker_at.copy() if levels else worker_at
+
+    def __getitem__(self, worker: WorkerId) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is not None:
+            for mask, depth in self._levels:
+                if mask >> slot & 1:
+                    return depth
+        raise KeyError(worker)
+
+    def __iter__(self) -> Iterator[WorkerId]:
+        for mask, _ in self._levels:
+            yield from map(self._worker_at.__getitem__, _bits(mask))
+
+    def __len__(self) -> int:
+        return sum(mask.bit_count() for mask, _ in self._levels)
+
+    def to_dict(self) -> dict[WorkerId, int]:
+        """Every matched worker at once (what dict(self) gives, without a lookup per worker)."""
+        out: dict[WorkerId, int] = {}
+        for mask, depth in self._levels:
+            out.update(dict.fromkeys(map(self._worker_at.__getitem__, _bits(mask)), depth))
+        return out
+
+    def items(self):  # Mapping's own items() and __eq__ would look each worker up again
+        return self.to_dict().items()
+
+    def __repr__(self) -> str:
+        return f"Overlaps({self.to_dict()})"
+
+
+def _bits(mask: int) -> list[int]:
+    """Positions of the set bits of `mask`, lowest first."""
+    if mask.bit_count() <= 8:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()

@@ -1,0 +1,186 @@
+"""KV events in: engine hashes translated to the project's, sequence numbers checked per worker.
+
+An engine names blocks in its own hash space (vLLM: sha256 bytes or ints, any seed). The project
+re-hashes each BlockStored's `token_ids` with router.hashing, chaining from the project hash of the
+event's parent (looked up through this worker's map engine-hash -> project sequence hash), so the
+indexer works whatever hash an engine uses. An engine that already uses the project's hashes
+(the native engine) costs no map entries: a hash that equals its project twin is not stored.
+
+`deliver(worker, seq, payload)` enforces order: the next sequence number is applied, an older one
+is a duplicate (replay overlap) and is skipped, a newer one is a GAP and nothing is applied: the
+caller (router.subscriber) replays the missing batches or calls `reset_worker` and starts afresh.
+A live stream whose sequence goes back is a restarted engine: its old state is dropped.
+Never silently wrong: every event that cannot be applied exactly is skipped and counted in `stats`;
+the indexer then under-reports (a block is missing), never over-reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import msgspec
+
+from router.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, decode_batch
+from router.hashing import local_block_hashes, salt_root, sequence_hashes
+from router.indexer import IndexerSnapshot, KvIndexer, WorkerId
+
+log = logging.getLogger(__name__)
+
+
+class Delivery(enum.Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+
+
+class IngestStats(msgspec.Struct):
+    batches: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    resets: int = 0  # worker state dropped (gap without replay, engine restart)
+    unknown_parent: int = 0  # BlockStored whose parent this worker never stored: skipped
+    rejected: int = 0  # BlockStored with a block size or token count that does not fit: skipped
+    unknown_events: int = 0  # event kinds we do not know: skipped
+
+
+class _WorkerState:
+    __slots__ = ("last_seq", "last_live", "engine_to_project")
+
+    def __init__(self) -> None:
+        self.last_seq: int | None = None  # last batch applied
+        self.last_live: int | None = None  # last batch seen on the live stream
+        self.engine_to_project: dict[BlockHash, int] = {}
+
+
+class IngestSnapshot(msgspec.Struct, frozen=True):
+    indexer: IndexerSnapshot
+    last_seq: dict[WorkerId, int | None]
+    engine_to_project: dict[WorkerId, list[tuple[BlockHash, int]]]
+
+
+class EventIngestor:
+    def __init__(self, indexer: KvIndexer, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.indexer = indexer
+        self.block_size = block_size
+        self.stats = IngestStats()
+        self._workers: dict[WorkerId, _WorkerState] = {}
+
+    def expected_seq(self, worker: WorkerId) -> int | None:
+        """The next sequence number `worker` should send; None before its first batch."""
+        state = self._workers.get(worker)
+        return None if state is None or state.last_seq is None else state.last_seq + 1
+
+    def deliver(self, worker: WorkerId, seq: int, payload: bytes, live: bool = True) -> Delivery:
+        """Apply one batch if it is the next; `live` batches come from the PUB stream, others from replay."""
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = _WorkerState()
+        if live and state.last_live is not None and seq <= state.last_live:
+            # PUB/SUB keeps order, so a live stream that goes back is a restarted engine
+            log.warning(
+                "worker %s restarted its event stream (seq %d after %d): dropping its state",
+                worker,
+                seq,
+                state.last_live,
+            )
+            self.reset_worker(worker)
+            state = self._workers[worker]
+        last = state.last_seq
+        if last is not None and seq != last + 1:
+            if seq > last:
+                self.stats.gaps += 1
+                return Delivery.GAP
+            self.stats.duplicates += 1  # replay and live stream overlap
+            delivery = Delivery.DUPLICATE
+        else:
+            batch, unknown = decode_batch(payload)
+            self.stats.unknown_events += unknown
+            self.apply_events(worker, batch.events)
+            state.last_seq = seq
+            self.stats.batches += 1
+            delivery = Delivery.APPLIED
+        if live:
+            state.last_live = seq
+        return delivery
+
+    def reset_worker(self, worker: WorkerId) -> None:
+        """Drop everything known about `worker`; the events that follow rebuild it."""
+        self.stats.resets += 1
+        self.indexer.clear_worker(worker)
+        self._workers[worker] = _WorkerState()
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        self.indexer.remove_worker(worker)
+        self._workers.pop(worker, None)
+
+    def apply_events(self, worker: WorkerId, events: list[KVEvent]) -> None:
+        """Apply decoded events in order (no sequence check: `deliver` does that)."""
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = _WorkerState()
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(worker, state, event)
+            elif isinstance(event, BlockRemoved):
+                to_project = state.engine_to_project
+                self.indexer.remove(worker, [to_project.pop(h, h) for h in event.block_hashes])
+                self.stats.blocks_removed += len(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.indexer.clear_worker(worker)
+                state.engine_to_project.clear()
+                self.stats.clears += 1
+
+    def _store(self, worker: WorkerId, state: _WorkerState, event: BlockStored) -> None:
+        size = self.block_size
+        count = len(event.block_hashes)
+        if event.block_size != size or len(event.token_ids) != count * size:
+            self.stats.rejected += 1
+            log.warning(
+                "worker %s: BlockStored with block_size %d and %d tokens for %d blocks does not "
+                "fit block size %d: skipped",
+                worker,
+                event.block_size,
+                len(event.token_ids),
+                count,
+                size,
+            )
+            return
+        parent_hash = event.parent_block_hash
+        if parent_hash is None:
+            parent = salt_root(event.lora_name)
+        else:
+            parent = state.engine_to_project.get(parent_hash)
+            if parent is None:
+                if isinstance(parent_hash, int) and self.indexer.holds(worker, parent_hash):
+                    parent = parent_hash  # the engine uses the project's own hashes
+                else:
+                    self.stats.unknown_parent += 1
+                    return
+        project = sequence_hashes(local_block_hashes(event.token_ids, size), parent)
+        to_project = state.engine_to_project
+        for engine_hash, project_hash in zip(event.block_hashes, project):
+            if engine_hash != project_hash:
+                to_project[engine_hash] = project_hash
+        self.indexer.store(worker, project)
+        self.stats.blocks_stored += count
+
+    def dump(self) -> IngestSnapshot:
+        return IngestSnapshot(
+            indexer=self.indexer.dump(),
+            last_seq={w: s.last_seq for w, s in self._workers.items()},
+            engine_to_project={w: list(s.engine_to_project.items()) for w, s in self._workers.items()},
+        )
+
+    def restore(self, snapshot: IngestSnapshot) -> None:
+        self.indexer.restore(snapshot.indexer)
+        self._workers = {}
+        for worker, last in snapshot.last_seq.items():
+            state = self._workers[worker] = _WorkerState()
+            state.last_seq = last
+            state.engine_to_project = dict(snapshot.engine_to_project.get(worker, ()))

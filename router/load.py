@@ -1,0 +1,136 @@
+"""Active load per worker: predicted by the router, corrected by what workers report.
+
+Prediction follows each request the router (or a replica, through router.replica_sync) placed:
+  route          -> the worker gains the request's uncached prompt tokens (to prefill) and its blocks
+  prefill done   -> (first token) the prefill tokens leave
+  finished       -> the blocks leave
+Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
+freed early, output growth). At each report the difference report - prediction becomes the worker's
+offset, added to the prediction until the next report, so load placed after the report still counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from router.indexer import WorkerId
+
+
+class LoadMetrics(Protocol):
+    """What a worker publishes about itself; dynamo_pd.protocol.LoadMetrics has this shape."""
+
+    worker_id: WorkerId
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int  # blocks no running request holds (evictable cached blocks count as free)
+    num_total_blocks: int
+    active_prefill_tokens: int  # prompt tokens admitted but not yet prefilled
+
+
+class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per request
+    """The router's view of one worker at the moment of a decision."""
+
+    worker_id: WorkerId
+    prefill_tokens: int
+    blocks: int
+    requests: int
+    capacity_blocks: int
+
+
+@dataclass
+class _Placement:
+    worker_id: WorkerId
+    prefill_tokens: int
+    blocks: int
+    prefill_done: bool = False
+
+
+@dataclass
+class _Worker:
+    capacity_blocks: int
+    prefill_tokens: int = 0
+    blocks: int = 0
+    requests: int = 0
+    prefill_offset: int = 0
+    blocks_offset: int = 0
+    requests_offset: int = 0
+
+
+class LoadTracker:
+    def __init__(self) -> None:
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._placements: dict[str, _Placement] = {}
+
+    def add_worker(self, worker_id: WorkerId, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"worker {worker_id!r}: capacity_blocks must be positive, got {capacity_blocks}")
+        self._workers.setdefault(worker_id, _Worker(capacity_blocks)).capacity_blocks = capacity_blocks
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Forget the worker and the placements on it."""
+        self._workers.pop(worker_id, None)
+        for key in [key for key, p in self._placements.items() if p.worker_id == worker_id]:
+            del self._placements[key]
+
+    def place(self, key: str, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
+        if key in self._placements:
+            raise ValueError(
+                f"request {key!r} is already placed on worker {self._placements[key].worker_id!r}"
+            )
+        worker = self._worker(worker_id)
+        self._placements[key] = _Placement(
+            worker_id, prefill_tokens, blocks, prefill_done=prefill_tokens == 0
+        )
+        worker.prefill_tokens += prefill_tokens
+        worker.blocks += blocks
+        worker.requests += 1
+
+    def prefill_done(self, key: str) -> bool:
+        placement = self._placements.get(key)
+        if placement is None or placement.prefill_done:
+            return False
+        placement.prefill_done = True
+        worker = self._workers.get(placement.worker_id)
+        if worker is not None:
+            worker.prefill_tokens -= placement.prefill_tokens
+        return True
+
+    def finish(self, key: str) -> bool:
+        self.prefill_done(key)
+        placement = self._placements.pop(key, None)
+        if placement is None:
+            return False
+        worker = self._workers.get(placement.worker_id)
+        if worker is not None:
+            worker.blocks -= placement.blocks
+            worker.requests -= 1
+        return True
+
+    def report(self, metrics: LoadMetrics) -> None:
+        worker = self._worker(metrics.worker_id)
+        worker.capacity_blocks = metrics.num_total_blocks or worker.capacity_blocks
+        worker.prefill_offset = metrics.active_prefill_tokens - worker.prefill_tokens
+        worker.blocks_offset = metrics.num_total_blocks - metrics.num_free_blocks - worker.blocks
+        worker.requests_offset = metrics.num_running + metrics.num_waiting - worker.requests
+
+    def load(self, worker_id: WorkerId) -> WorkerLoad:
+        w = self._worker(worker_id)
+        prefill, blocks, requests = (
+            w.prefill_tokens + w.prefill_offset,
+            w.blocks + w.blocks_offset,
+            w.requests + w.requests_offset,
+        )
+        return WorkerLoad(
+            worker_id,
+            prefill if prefill > 0 else 0,
+            blocks if blocks > 0 else 0,
+            requests if requests > 0 else 0,
+            w.capacity_blocks,
+        )
+
+    def _worker(self, worker_id: WorkerId) -> _Worker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise KeyError(f"unknown worker {worker_id!r}; add it first")
+        return worker

@@ -1,0 +1,141 @@
+"""Routing policies: given the eligible workers (overlap and load of each), pick one.
+
+All policies implement `choose(candidates, request) -> Candidate`; candidates are never empty
+(the service filters busy workers first and raises Overloaded when none is left).
+
+- KvAwarePolicy: Dynamo's cost. For worker w,
+      prefill_blocks = (prefill_tokens_w + prompt_tokens - overlap_w * block_size) / block_size
+      decode_blocks  = blocks_w + request_blocks          (active blocks including this request)
+      logit_w        = overlap_weight * prefill_blocks + decode_blocks
+  temperature 0 picks the minimum (random tie-break); T > 0 samples softmax(-(logit - min) / range / T).
+- RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy (fewest requests, then blocks): baselines.
+- CacheAwarePolicy: SGLang's router. When the load (requests) is imbalanced (max - min > abs_threshold
+  and max > rel_threshold * min) take the least loaded; otherwise the longest prefix match if its match
+  rate exceeds cache_threshold, else the worker with the smallest cache (fewest resident blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from router.load import WorkerLoad
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    prompt_tokens: int
+    block_size: int
+
+    @property
+    def request_blocks(self) -> int:
+        return -(-self.prompt_tokens // self.block_size)
+
+
+class Candidate(NamedTuple):  # a NamedTuple: routing builds one per worker per request
+    overlap_blocks: int
+    load: WorkerLoad
+    cached_blocks: int  # blocks of this worker resident in the indexer
+
+    @property
+    def worker_id(self):
+        return self.load.worker_id
+
+
+class RoutingPolicy(Protocol):
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate: ...
+
+
+class KvAwarePolicy:
+    def __init__(
+        self, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None
+    ) -> None:
+        if overlap_weight < 0 or temperature < 0:
+            raise ValueError(
+                f"overlap_weight and temperature must be >= 0, got {overlap_weight}, {temperature}"
+            )
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+
+    def logit(self, c: Candidate, request: RouteRequest) -> float:
+        bs = request.block_size
+        prefill_blocks = (c.load.prefill_tokens + request.prompt_tokens - c.overlap_blocks * bs) / bs
+        decode_blocks = c.load.blocks + request.request_blocks
+        return self.overlap_weight * prefill_blocks + decode_blocks
+
+    def probabilities(self, candidates: list[Candidate], request: RouteRequest) -> list[float]:
+        """Softmax of the negated, range-normalised logits (temperature > 0)."""
+        logits = [self.logit(c, request) for c in candidates]
+        low, spread = min(logits), (max(logits) - min(logits)) or 1.0
+        weights = [math.exp(-(x - low) / spread / self.temperature) for x in logits]
+        total = sum(weights)
+        return [w / total for w in weights]
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        if self.temperature > 0:
+            return self._rng.choices(candidates, self.probabilities(candidates, request))[0]
+        logits = [self.logit(c, request) for c in candidates]
+        best = min(logits)
+        return self._rng.choice([c for c, x in zip(candidates, logits) if x == best])
+
+
+class RoundRobinPolicy:
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: str(c.worker_id))
+        return ordered[next(self._turn) % len(ordered)]
+
+
+class RandomPolicy:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        return self._rng.choice(candidates)
+
+
+class LeastLoadedPolicy:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        return _least(candidates, lambda c: (c.load.requests, c.load.blocks), self._rng)
+
+
+class CacheAwarePolicy:
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.1,
+        seed: int | None = None,
+    ) -> None:
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        loads = [c.load.requests for c in candidates]
+        high, low = max(loads), min(loads)
+        if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
+            return _least(candidates, lambda c: c.load.requests, self._rng)
+        best = _least(candidates, lambda c: -c.overlap_blocks, self._rng)
+        match_rate = best.overlap_blocks * request.block_size / max(1, request.prompt_tokens)
+        if match_rate > self.cache_threshold:
+            return best
+        return _least(candidates, lambda c: c.cached_blocks, self._rng)
+
+
+def _least(candidates: list[Candidate], key, rng: random.Random) -> Candidate:
+    keys = [key(c) for c in candidates]
+    best = min(keys)
+    return rng.choice([c for c, k in zip(candidates, keys) if k == best])

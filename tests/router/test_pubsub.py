@@ -1,0 +1,192 @@
+"""KV events over real ZMQ sockets (and a real nats-server): delivery, late join, gaps, replay, rebuild."""
+
+import asyncio
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from router.events import BlockRemoved, BlockStored, encode_batch
+from router.hashing import block_hashes
+from router.publisher import NatsEventPublisher, ZmqEventPublisher
+from router.service import KvRouter, RouterConfig
+
+BS = 4
+PROMPTS = [[p * 1000 + i for i in range(4 * BS)] for p in range(12)]
+
+
+def stored(p: int) -> list:
+    """One engine step: prompt p's 4 blocks, named by a foreign (non-project) hash."""
+    return [BlockStored([f"{p}-{i}".encode() for i in range(4)], None, PROMPTS[p], BS)]
+
+
+def matches(router: KvRouter, p: int) -> dict:
+    return router.indexer.find_matches(block_hashes(PROMPTS[p], BS))
+
+
+async def eventually(predicate, timeout: float = 5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached within %.1fs" % timeout)
+        await asyncio.sleep(0.01)
+
+
+def new_router() -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BS, replay_timeout=1.0))
+    router.add_worker("w", "prefill", capacity_blocks=1000)
+    return router
+
+
+async def test_events_reach_the_indexer_and_a_late_joiner_replays_what_it_missed():
+    with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0", topic="kv") as pub:
+        pub.publish(stored(0))
+        pub.publish(stored(1))
+        pub.publish([])  # nothing to say: no batch, no sequence number
+        router = new_router()
+        await router.connect_events("w", pub.endpoint, pub.replay_endpoint, topic="kv")
+        await eventually(lambda: matches(router, 1) == {"w": 4})
+        assert matches(router, 0) == {"w": 4}
+        pub.publish([BlockRemoved([b"0-2"])])
+        await eventually(lambda: matches(router, 0) == {"w": 2})
+        assert router.ingestor.expected_seq("w") == 3 and router.ingestor.stats.resets == 0
+        await router.close()
+
+
+class LossyLink:
+    """Forwards a publisher's messages to a second PUB socket, dropping the sequence numbers in `drop`;
+    messages from `hold_from` on wait until `release()`, so a test decides what the replay buffer holds."""
+
+    def __init__(self, source: str, drop: set[int], hold_from: int | None = None):
+        ctx = zmq.asyncio.Context.instance()
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(source)
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.drop = drop
+        self.hold_from = hold_from
+        self.held: list = []
+        self.released = asyncio.Event()
+        self.task = asyncio.create_task(self._forward())
+
+    async def _forward(self):
+        while True:
+            frames = await self.sub.recv_multipart()
+            seq = int.from_bytes(frames[1], "big")
+            if self.hold_from is not None and seq >= self.hold_from and not self.released.is_set():
+                self.held.append(frames)
+            elif seq not in self.drop:
+                await self.pub.send_multipart(frames)
+
+    async def release(self):
+        self.released.set()
+        for frames in self.held:
+            if int.from_bytes(frames[1], "big") not in self.drop:
+                await self.pub.send_multipart(frames)
+
+    async def close(self):
+        self.task.cancel()
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+
+
+async def connected(router: KvRouter, pub: ZmqEventPublisher, link: LossyLink, replay: str | None):
+    """Subscribe through the link and wait until a probe batch (seq 0) went all the way through."""
+    await asyncio.sleep(0.2)  # the link's SUB must be subscribed before the probe
+    await router.connect_events("w", link.endpoint, replay)
+    for _ in range(50):
+        if router.ingestor.expected_seq("w") is not None:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("probe batch never arrived")
+
+
+@pytest.mark.parametrize("buffer_steps, recovered_by", [(100, "replay"), (2, "rebuild")])
+async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, recovered_by):
+    with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0", buffer_steps=buffer_steps) as pub:
+        link = LossyLink(pub.endpoint, drop={2}, hold_from=1)
+        router = new_router()
+        pub.publish(stored(0))  # seq 0: may or may not arrive before the subscription; replay covers it
+        await connected(router, pub, link, pub.replay_endpoint)
+        for p in range(1, 6):  # seq 1..5; seq 2 (prompt 2) is lost on the way
+            pub.publish(stored(p))
+        await eventually(lambda: len(link.held) == 5)  # all published: the buffer holds its final batches
+        await link.release()
+        await eventually(lambda: matches(router, 5) == {"w": 4})
+        stats = router.ingestor.stats
+        assert stats.gaps >= 1
+        if recovered_by == "replay":
+            assert [matches(router, p) for p in range(6)] == [{"w": 4}] * 6
+            assert stats.resets == 0
+        else:  # the buffer (2 batches) no longer holds seq 2: state dropped, rebuilt from seq 4 on
+            assert stats.resets == 1
+            assert [matches(router, p) for p in range(6)] == [{}, {}, {}, {}, {"w": 4}, {"w": 4}]
+        await link.close()
+        await router.close()
+
+
+async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
+    with ZmqEventPublisher() as pub:
+        link = LossyLink(pub.endpoint, drop={2})
+        router = new_router()
+        await asyncio.sleep(0.2)
+        await router.connect_events("w", link.endpoint)
+        await asyncio.sleep(0.2)
+        for p in range(5):
+            pub.publish(stored(p))
+        await eventually(lambda: matches(router, 4) == {"w": 4})
+        # what came before the gap may have been evicted in the lost batch: it is forgotten, never guessed
+        assert [matches(router, p) for p in range(5)] == [{}, {}, {}, {"w": 4}, {"w": 4}]
+        assert router.ingestor.stats.resets == 1
+        await link.close()
+        await router.close()
+
+
+async def test_removed_worker_stops_following_and_is_forgotten():
+    with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0") as pub:
+        pub.publish(stored(0))
+        router = new_router()
+        await router.connect_events("w", pub.endpoint, pub.replay_endpoint)
+        await eventually(lambda: matches(router, 0) == {"w": 4})
+        router.remove_worker("w")
+        pub.publish(stored(1))
+        await asyncio.sleep(0.2)
+        assert matches(router, 0) == {} and matches(router, 1) == {}
+        await router.close()
+
+
+def test_publisher_rejects_use_after_close():
+    pub = ZmqEventPublisher()
+    pub.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        pub.publish(stored(0))
+
+
+async def test_events_over_nats(nats_url):
+    router = new_router()
+    await router.connect_nats_events("w", nats_url, "kv.w")
+    pub = await asyncio.to_thread(NatsEventPublisher, nats_url, "kv.w")
+    try:
+        for p in range(3):
+            pub.publish(stored(p))
+        await eventually(lambda: matches(router, 2) == {"w": 4})
+        assert [matches(router, p) for p in range(3)] == [{"w": 4}] * 3
+        # NATS has no replay: a gap in the sequence drops the worker's state and rebuilds from there
+        import nats
+
+        nc = await nats.connect(nats_url)
+        await nc.publish("kv.w", (9).to_bytes(8, "big") + encode_batch(stored(5)))
+        await nc.flush()
+        await eventually(lambda: matches(router, 5) == {"w": 4})
+        assert matches(router, 0) == {} and router.ingestor.stats.resets == 1
+        await nc.close()
+    finally:
+        await asyncio.to_thread(pub.close)
+        await router.close()
+
+
+def test_unreachable_nats_is_a_clear_error():
+    with pytest.raises(ConnectionError, match="cannot reach NATS at nats://127.0.0.1:1"):
+        NatsEventPublisher("nats://127.0.0.1:1", "kv.w", connect_timeout=0.5)

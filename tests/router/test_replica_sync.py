@@ -1,0 +1,69 @@
+"""Two router replicas share placements over the event plane (ZMQ, NATS) and so spread the load."""
+
+import asyncio
+
+from router.replica_sync import NatsReplicaSync, ZmqReplicaSync
+from router.service import KvRouter, RouterConfig
+
+PROMPT = list(range(64))
+
+
+def replica() -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=16, seed=0))
+    for w in ("w0", "w1"):
+        router.add_worker(w, "prefill", capacity_blocks=100)
+    return router
+
+
+async def eventually(predicate, timeout=5.0):
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def check_shared_load(a: KvRouter, b: KvRouter):
+    first = a.route("prefill", "r1", PROMPT)
+    await eventually(lambda: b.load.load(first.worker_id).requests == 1)
+    # b sees a's request and picks the other worker, as a single router would
+    second = b.route("prefill", "r1", PROMPT)  # same id from another replica is a different request
+    assert second.worker_id != first.worker_id
+    await eventually(lambda: a.load.load(second.worker_id).requests == 1)
+    a.mark_prefill_done("r1")
+    await eventually(lambda: b.load.load(first.worker_id).prefill_tokens == 0)
+    a.mark_finished("r1")
+    b.mark_finished("r1")
+    await eventually(lambda: all(r.load.load(w).requests == 0 for r in (a, b) for w in ("w0", "w1")))
+
+
+async def test_replicas_over_zmq():
+    a, b = replica(), replica()
+    sync_a, sync_b = ZmqReplicaSync(a.load, "a"), ZmqReplicaSync(b.load, "b")
+    sync_a.connect_peer(sync_b.endpoint)
+    sync_b.connect_peer(sync_a.endpoint)
+    await sync_a.start()
+    await sync_b.start()
+    a.attach_replica_sync(sync_a)
+    b.attach_replica_sync(sync_b)
+    await asyncio.sleep(0.3)  # PUB/SUB subscriptions settle
+    try:
+        await check_shared_load(a, b)
+        sync_a.apply(b"garbage")  # ignored with a warning
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
+
+
+async def test_replicas_over_nats(nats_url):
+    a, b = replica(), replica()
+    sync_a, sync_b = NatsReplicaSync(a.load, "a", nats_url), NatsReplicaSync(b.load, "b", nats_url)
+    await sync_a.start()
+    await sync_b.start()
+    a.attach_replica_sync(sync_a)
+    b.attach_replica_sync(sync_b)
+    try:
+        await check_shared_load(a, b)
+    finally:
+        await sync_a.stop()
+        await sync_b.stop()
