@@ -1,0 +1,305 @@
+"""KVTransferAgent: one per worker; holds blocks for peers and moves blocks to and from them.
+
+    agent = KVTransferAgent("prefill-0", KVMemory.native(engine.kv_cache, model), TransferConfig("nixl"))
+    await agent.start()
+
+Prefill (pull mode):
+    desc = agent.hold(rid, block_ids, num_tokens, on_release)   # thread-safe, returns at once
+    on_release(rid, reason) fires exactly once: DONE when the decode side finished reading, ERROR when
+    it reported a failure, EXPIRED when the lease ran out, CANCELLED on agent.release(rid) or close().
+    The worker frees its engine blocks in on_release, whatever the reason.
+Decode (pull mode):
+    await agent.pull(desc, local_block_ids, skip_prefix_blocks=n)
+    local_block_ids are the blocks the decode engine allocated for the request's blocks
+    [n, ceil(num_tokens / block_size)); n prefix blocks it already has are not read. Layouts that
+    differ are converted. On any exception the caller frees local_block_ids itself; the agent has
+    already told the holder (Finish(ok=False)) so the prefill side frees its blocks too.
+Push mode (SGLang style):
+    decode:  desc = agent.hold(rid, reserved_ids, num_tokens, on_release, block_offset=n, writable=True)
+    prefill: await agent.push(desc, local_block_ids)    # all of the request's blocks, from block 0
+    decode's on_release gets DONE once the blocks are filled (keep them), anything else: free them.
+    The prefill caller frees its own blocks after push returns or raises.
+
+on_release runs on the agent's event loop, or in the thread that called release().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kv_transfer.layout import block_regions
+from kv_transfer.memory import STAGING, KVMemory
+from kv_transfer.plan import pull_plan, push_plan
+from kv_transfer.protocol import (
+    Begin, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError, ReleaseReason,
+    Reply, Request, TransferDescriptor, TransferError, Write, raise_for,
+)
+from kv_transfer.side_channel import SideChannelClient, SideChannelServer
+from kv_transfer.transports import ByteSink, TransferConfig, block_frames, make_transport, stream_frames
+
+log = logging.getLogger(__name__)
+
+OnRelease = Callable[[str, ReleaseReason], None]
+_ENDED_MEMORY = 4096  # recently ended holds remembered, to tell "expired" from "freed"
+_SWEEP_S = 0.02
+
+
+@dataclass
+class _Hold:
+    desc: TransferDescriptor
+    on_release: OnRelease
+    deadline: float  # time.monotonic()
+    pinned: bool = False
+    cancelled: bool = False
+    cleanups: list[Callable[[], None]] = field(default_factory=list)  # packed copies peers may still read
+
+
+class KVTransferAgent:
+    def __init__(self, engine_id: str, memory: KVMemory, config: TransferConfig | None = None):
+        self.engine_id = engine_id
+        self.memory = memory
+        self.config = config or TransferConfig()
+        self._client = SideChannelClient()
+        self.transport = make_transport(memory, engine_id, self._client, self.config)
+        self._holds: dict[str, _Hold] = {}
+        self._ended: OrderedDict[str, ReleaseReason] = OrderedDict()
+        self._lock = threading.Lock()
+        self._server: SideChannelServer | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    @property
+    def endpoint(self) -> str:
+        if self._server is None:
+            raise RuntimeError("KVTransferAgent.start() has not run")
+        return self._server.endpoint
+
+    async def start(self) -> KVTransferAgent:
+        default = f"inproc://kv-{self.engine_id}" if self.config.transport == "inproc" else "tcp://127.0.0.1:0"
+        self._server = SideChannelServer(self.config.endpoint or default, self._handle)
+        self._server.start()
+        await self.transport.start(self._server.endpoint)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return self
+
+    async def close(self) -> None:
+        for rid in list(self._holds):
+            self._end(rid, ReleaseReason.CANCELLED)
+        if self._sweeper:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self._client.close()
+        if self._server:
+            await self._server.close()
+        await self.transport.close()
+
+    async def __aenter__(self) -> KVTransferAgent:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- holding ------------------------------------------------------------------------------
+
+    def hold(self, request_id: str, block_ids: Sequence[int], num_tokens: int, on_release: OnRelease, *,
+             block_offset: int = 0, writable: bool = False, lease_s: float | None = None) -> TransferDescriptor:
+        """Keep `block_ids` (the request's blocks from `block_offset` on) for a peer to read (or,
+        writable, to fill) until it finishes or the lease runs out; returns what the peer needs."""
+        layout = self.memory.layout
+        needed = math.ceil(num_tokens / layout.block_size) - block_offset
+        if num_tokens <= 0 or block_offset < 0 or len(block_ids) != needed:
+            raise ValueError(
+                f"hold {request_id!r}: {len(block_ids)} blocks from block {block_offset} do not match "
+                f"{num_tokens} tokens at block size {layout.block_size} (need {needed})"
+            )
+        if any(b < 0 or b >= layout.num_blocks for b in block_ids):
+            raise ValueError(f"hold {request_id!r}: block id outside [0, {layout.num_blocks}): {list(block_ids)}")
+        lease = lease_s or self.config.lease_s
+        desc = TransferDescriptor(
+            engine_id=self.engine_id, request_id=request_id, transport=self.transport.name,
+            endpoint=self.endpoint, agent_name=self.transport.agent_name, layout=layout,
+            compat_hash=layout.compat_hash(), base_addrs=self.memory.base_addrs(),
+            mem_type=self.memory.mem_type, device_id=self.memory.device_id, block_ids=list(block_ids),
+            num_tokens=num_tokens, block_offset=block_offset, writable=writable,
+            lease_deadline=time.time() + lease,
+        )
+        with self._lock:
+            if request_id in self._holds:
+                raise ValueError(f"request {request_id!r} already holds blocks")
+            self._ended.pop(request_id, None)
+            self._holds[request_id] = _Hold(desc, on_release, time.monotonic() + lease)
+        return desc
+
+    def release(self, request_id: str) -> bool:
+        """Give up a hold locally (request aborted). A transfer in flight finishes first; the peer then
+        gets BlocksFreedError. Returns False when nothing was held."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None:
+                return False
+            if hold.pinned:  # the peer is reading or writing these blocks right now
+                hold.cancelled = True
+                return True
+        return self._end(request_id, ReleaseReason.CANCELLED)
+
+    def holding(self) -> list[str]:
+        """Request ids whose blocks are held right now."""
+        with self._lock:
+            return list(self._holds)
+
+    def _end(self, request_id: str, reason: ReleaseReason) -> bool:
+        with self._lock:
+            hold = self._holds.pop(request_id, None)
+            if hold is None:
+                return False
+            self._ended[request_id] = reason
+            while len(self._ended) > _ENDED_MEMORY:
+                self._ended.popitem(last=False)
+        for cleanup in hold.cleanups:
+            cleanup()
+        try:
+            hold.on_release(request_id, reason)
+        except Exception:
+            log.exception("on_release(%r, %s) raised", request_id, reason)
+        return True
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            now = time.monotonic()
+            with self._lock:
+                expired = [rid for rid, h in self._holds.items() if h.deadline < now]
+            for rid in expired:
+                self._end(rid, ReleaseReason.EXPIRED)
+
+    def _missing(self, request_id: str) -> Reply:
+        reason = self._ended.get(request_id)
+        if reason is ReleaseReason.EXPIRED:
+            return Reply(False, "expired", f"the lease on {request_id!r} at {self.engine_id} ran out")
+        what = f"ended ({reason.value})" if reason else "never held"
+        return Reply(False, "freed", f"{self.engine_id} holds no blocks for {request_id!r}: {what}")
+
+    async def _handle(self, request: Request, frames: list, send) -> Reply:
+        """The holder's side of the protocol (runs on the side channel)."""
+        if isinstance(request, GetMetadata):
+            return Reply(True, payload=self.transport.metadata())
+        with self._lock:
+            hold = self._holds.get(request.request_id)
+        if hold is not None and hold.deadline < time.monotonic():  # expired, the sweeper not yet by
+            self._end(request.request_id, ReleaseReason.EXPIRED)
+            hold = None
+        if hold is None:
+            return self._missing(request.request_id)
+        if isinstance(request, Begin):
+            if request.compat_hash != hold.desc.compat_hash:
+                self._end(request.request_id, ReleaseReason.ERROR)
+                return Reply(False, "compat", f"compat hash {request.compat_hash} != {hold.desc.compat_hash}")
+            if hold.pinned:
+                return Reply(False, "freed", f"{request.request_id!r} is already being transferred")
+            hold.pinned = True
+            hold.deadline = time.monotonic() + request.timeout_s + self.config.timeout_s
+            return Reply(True)
+        if isinstance(request, Finish):
+            reason = ReleaseReason.DONE if request.ok else ReleaseReason.ERROR
+            if hold.cancelled:
+                self._end(request.request_id, ReleaseReason.CANCELLED)
+                return Reply(False, "freed", f"{request.request_id!r} was cancelled at {self.engine_id}")
+            if not request.ok:
+                log.warning("peer failed transfer of %r: %s", request.request_id, request.message)
+            self._end(request.request_id, reason)
+            return Reply(True)
+        if not hold.pinned:
+            return Reply(False, "bad_request", f"{type(request).__name__} before Begin for {request.request_id!r}")
+        if not set(request.block_ids) <= set(hold.desc.block_ids):
+            return Reply(False, "bad_request", f"blocks {request.block_ids} are not held for {request.request_id!r}")
+        rows = block_regions(self.memory.layout, np.asarray(request.block_ids))
+        if isinstance(request, Fetch):
+            frames, buffer = await asyncio.to_thread(block_frames, self.memory, request.block_ids, rows,
+                                                     self.config.frame_bytes)
+            if buffer is not None:  # zero-copy frames read it until the peer's Finish
+                hold.cleanups.append(lambda: STAGING.give(buffer))
+            await stream_frames(frames, send)
+        elif isinstance(request, Pack):
+            nbytes = int(rows[:, 2].sum())
+            buffer = STAGING.take(nbytes)
+            await asyncio.to_thread(self.memory.gather, request.block_ids, buffer[:nbytes])
+            metadata, unexpose = self.transport.expose(buffer)
+            hold.cleanups.append(lambda: (unexpose(), STAGING.give(buffer)))
+            return Reply(True, payload=buffer.data_ptr().to_bytes(8, "little") + metadata)
+        elif isinstance(request, Write):
+            if not hold.desc.writable:
+                return Reply(False, "bad_request", f"blocks of {request.request_id!r} are not writable")
+            sink = ByteSink(self.memory, request.block_ids, rows)
+            await asyncio.to_thread(lambda: (sink.write_frames(frames), sink.finish()))
+        return Reply(True)
+
+    # -- moving -------------------------------------------------------------------------------
+
+    async def pull(self, desc: TransferDescriptor, local_block_ids: Sequence[int], skip_prefix_blocks: int = 0,
+                   timeout_s: float | None = None) -> int:
+        """Read the blocks of `desc` that this side lacks into `local_block_ids`; returns bytes moved."""
+        if desc.writable:
+            raise ValueError(f"descriptor for {desc.request_id!r} is a push target; call push()")
+        return await self._transfer(desc, timeout_s, lambda: pull_plan(desc, self.memory, local_block_ids, skip_prefix_blocks),
+                                    reading=True)
+
+    async def push(self, desc: TransferDescriptor, local_block_ids: Sequence[int],
+                   timeout_s: float | None = None) -> int:
+        """Write this side's blocks (all of the request's, from block 0) into the blocks `desc` reserved."""
+        if not desc.writable:
+            raise ValueError(f"descriptor for {desc.request_id!r} is not a push target; call pull()")
+        return await self._transfer(desc, timeout_s, lambda: push_plan(desc, self.memory, local_block_ids),
+                                    reading=False)
+
+    async def _transfer(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool) -> int:
+        timeout = timeout_s or self.config.timeout_s
+        try:
+            if desc.transport != self.transport.name:
+                raise TransferError(f"descriptor uses {desc.transport}, this agent {self.transport.name}")
+            problem = desc.layout.convertible(self.memory.layout)
+            if desc.compat_hash != self.memory.layout.compat_hash():
+                problem = problem or f"compat hash {desc.compat_hash} != {self.memory.layout.compat_hash()}"
+            if problem:
+                raise CompatError(f"{desc.request_id!r} from {desc.engine_id}: {problem}")
+            if desc.lease_deadline < time.time():
+                raise LeaseExpiredError(f"the lease on {desc.request_id!r} at {desc.engine_id} ran out")
+            plan, finish = await asyncio.to_thread(make_plan)  # a push may convert layouts here
+        except (TransferError, ValueError) as e:
+            await self._finish(desc, False, str(e), timeout)  # let the holder free its blocks now
+            raise
+        if plan is None:  # every block already cached locally
+            raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True), timeout))
+            return 0
+        try:
+            raise_for(await self._client.call(desc.endpoint, Begin(desc.request_id, desc.compat_hash, timeout),
+                                              timeout))
+        except PeerLostError:
+            self._client.forget(desc.endpoint)
+            raise
+        try:
+            if reading:
+                await self.transport.read(desc, plan, timeout)
+            else:
+                await self.transport.write(desc, plan, timeout)
+        except BaseException as e:
+            await asyncio.shield(self._finish(desc, False, f"{type(e).__name__}: {e}", timeout))
+            raise
+        raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True), timeout))
+        if finish is not None:
+            await asyncio.to_thread(finish)
+        return plan.nbytes
+
+    async def _finish(self, desc: TransferDescriptor, ok: bool, message: str, timeout: float) -> None:
+        try:
+            await self._client.call(desc.endpoint, Finish(desc.request_id, ok, message), min(timeout, 2.0))
+        except TransferError as e:  # the holder is gone or unreachable; its lease frees the blocks
+            log.info("Finish(%r) not delivered: %s", desc.request_id, e)
+            self._client.forget(desc.endpoint)

@@ -1,0 +1,131 @@
+"""What crosses process boundaries in a KV hand-off: the transfer descriptor, the side-channel
+messages, and the typed errors both sides raise.
+
+Hand-off (pull, the default; vLLM / Dynamo / TensorRT-LLM style):
+    prefill: desc = agent.hold(rid, blocks, on_release)  -> desc travels with the first token
+    decode:  await agent.pull(desc, my_blocks, skip_prefix_blocks=n)
+             = Begin (peer pins the hold) -> bytes move -> Finish (peer releases: on_release(DONE))
+Push (SGLang style): decode holds writable blocks and publishes the descriptor; prefill calls
+    await agent.push(desc, its_blocks); decode's on_release fires with DONE once they are filled.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kv_transfer.layout import KVLayout
+
+
+class TransferDescriptor(msgspec.Struct, frozen=True):
+    """Where a held set of blocks lives and how to reach it. Produced by KVTransferAgent.hold."""
+
+    engine_id: str
+    request_id: str
+    transport: str  # "nixl" | "zmq" | "inproc"
+    endpoint: str  # the side channel of the holding agent
+    agent_name: str  # NIXL agent name; "" for other transports
+    layout: KVLayout
+    compat_hash: int
+    base_addrs: list[int]  # buffer base addresses: with layout, they give every block's regions
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int  # GPU index for VRAM, 0 for DRAM
+    block_ids: list[int]  # the request's blocks [block_offset, block_offset + len) in order
+    num_tokens: int  # tokens of the request the blocks hold (the last block may be partial)
+    block_offset: int = 0  # index of block_ids[0] in the request's block sequence
+    writable: bool = False  # True: a push target (decode reserved these blocks for the peer to fill)
+    lease_deadline: float = 0.0  # unix time after which the holder frees the blocks
+
+
+class ReleaseReason(enum.Enum):
+    DONE = "done"  # the peer finished reading (pull) or writing (push)
+    EXPIRED = "expired"  # the lease ran out before the peer finished
+    ERROR = "error"  # the peer reported a failure
+    CANCELLED = "cancelled"  # released locally (request aborted) or the agent closed
+
+
+class TransferError(Exception):
+    """Base of every kv_transfer failure. The caller still owns and must free its own blocks."""
+
+
+class CompatError(TransferError):
+    """The two caches cannot exchange blocks (model, dtype, layers, heads or head size differ)."""
+
+
+class LeaseExpiredError(TransferError):
+    """The holder's lease ran out; it has freed the blocks."""
+
+
+class BlocksFreedError(TransferError):
+    """The holder no longer has these blocks (already transferred, released or never held)."""
+
+
+class PeerLostError(TransferError):
+    """The peer did not answer in time or its transport failed (process died, network down)."""
+
+
+class Begin(msgspec.Struct, tag=True):
+    """Initiator -> holder: pin the hold for the duration of a transfer."""
+
+    request_id: str
+    compat_hash: int
+    timeout_s: float  # how long the initiator may take; the holder keeps the blocks that long
+
+
+class Finish(msgspec.Struct, tag=True):
+    """Initiator -> holder: the transfer ended; release the hold (DONE if ok, else ERROR)."""
+
+    request_id: str
+    ok: bool
+    message: str = ""
+
+
+class Fetch(msgspec.Struct, tag=True):
+    """ZMQ pull: stream these held blocks (a subset of the hold) back."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class Write(msgspec.Struct, tag=True):
+    """ZMQ push: the frames that follow fill these held blocks."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class Pack(msgspec.Struct, tag=True):
+    """NIXL pull of scattered blocks: pack these held blocks into one registered buffer; the reply's
+    payload is its address (8 bytes, little-endian) then the NIXL partial metadata that lets the
+    reader reach it. Valid until the hold ends."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class GetMetadata(msgspec.Struct, tag=True):
+    """Ask for the holder's NIXL agent metadata."""
+
+
+class Reply(msgspec.Struct):
+    ok: bool
+    error: str = ""  # "" | "expired" | "freed" | "compat" | "bad_request"
+    message: str = ""
+    payload: bytes = b""
+
+
+Request = Begin | Finish | Fetch | Write | Pack | GetMetadata
+
+ERRORS: dict[str, type[TransferError]] = {
+    "expired": LeaseExpiredError,
+    "freed": BlocksFreedError,
+    "compat": CompatError,
+    "bad_request": TransferError,
+}
+
+
+def raise_for(reply: Reply) -> Reply:
+    if not reply.ok:
+        raise ERRORS.get(reply.error, TransferError)(reply.message)
+    return reply
