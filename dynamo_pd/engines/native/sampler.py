@@ -1,0 +1,90 @@
+"""Next-token choice for a batch: penalties, greedy or temperature / top-k / top-p sampling, logprobs.
+
+Random rows draw one uniform number each from their own generator (a request's seed, or the
+engine's), then pick by inverse CDF, so a seeded request samples the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynamo_pd.engines.native.sequence import Sequence
+from dynamo_pd.protocol import TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place. Repetition penalty covers prompt and output; presence/frequency only the output."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.request.sampling
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            scores = logits[row, seen]
+            penalised = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            logits[row, seen] = penalised
+        if (p.presence_penalty or p.frequency_penalty) and len(seq.token_ids) > seq.num_prompt_tokens:
+            output = torch.tensor(seq.output_token_ids, device=logits.device)
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (with -inf) what top-k and top-p drop, on logits sorted in descending order."""
+    ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass ahead of it is < top_p
+    return sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,  # [rows, vocab] float32, the model's raw next-token logits
+    seqs: list[Sequence],
+    engine_generator: torch.Generator,
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    raw_logprobs = None
+    if any(seq.request.sampling.logprobs is not None for seq in seqs):
+        raw_logprobs = logits.log_softmax(dim=-1)  # reported logprobs: the model's own distribution
+    params = [seq.request.sampling for seq in seqs]
+    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        logits = logits.clone()
+        apply_penalties(logits, seqs)
+
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        scaled = logits[rows] / temperature[:, None]
+        vocab = scaled.shape[1]
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows])
+        top_p = torch.tensor([params[i].top_p for i in random_rows])
+        if (top_k < vocab).any() or (top_p < 1).any():
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            scaled = _filter_top_k_top_p(scaled, top_k.to(scaled.device), top_p.to(scaled.device))
+        else:
+            order = None
+        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+        draws = torch.cat([
+            torch.rand(1, generator=seqs[i].generator or engine_generator) for i in random_rows
+        ]).to(logits.device)
+        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        if order is not None:
+            picked = order.gather(1, picked)
+        chosen[rows] = picked[:, 0]
+
+    token_ids = chosen.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    if raw_logprobs is not None:
+        for row, (seq, token) in enumerate(zip(seqs, token_ids)):
+            n = seq.request.sampling.logprobs
+            if n is None:
+                continue
+            top = raw_logprobs[row].topk(n) if n else None
+            logprobs[row] = TokenLogprob(
+                token_id=token,
+                logprob=float(raw_logprobs[row, token]),
+                top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+            )
+    return token_ids, logprobs

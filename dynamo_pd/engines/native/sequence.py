@@ -1,0 +1,62 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
+from dynamo_pd.protocol import EngineRequest
+from router.hashing import chain_hash, local_hash, salt_root
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for blocks (new, or preempted and recomputing)
+    LOADING = "loading"  # DECODE role: blocks reserved, prompt KV arriving through the kv_loader
+    RUNNING = "running"
+    HELD = "held"  # PREFILL role: finished, prompt blocks held for the decode side
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: EngineRequest
+    block_size: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None  # per-request seed; None draws from the engine's generator
+    token_ids: list[int] = field(init=False)  # prompt, then every token sampled so far
+    num_prompt_tokens: int = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at first admission
+    num_committed_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # sequence hashes of full blocks, lazily
+    needs_load: bool = False  # DECODE role: the prompt's KV comes from elsewhere
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, num_blocks: int) -> list[int]:
+        """Chained hashes (router.hashing, salted by cache_salt) of the first `num_blocks` full blocks."""
+        size = self.block_size
+        parent = self.block_hashes[-1] if self.block_hashes else salt_root(self.request.cache_salt)
+        for i in range(len(self.block_hashes), num_blocks):
+            parent = chain_hash(parent, local_hash(self.token_ids[i * size:(i + 1) * size]))
+            self.block_hashes.append(parent)
+        return self.block_hashes[:num_blocks]

