@@ -1,0 +1,220 @@
+"""Router benchmark: KV event ingest rate, find_matches latency at scale, memory per resident block.
+
+    python benchmarks/router_bench.py                 # 1M resident blocks, 8 / 64 / 512 workers
+    python benchmarks/router_bench.py --resident 100000 --queries 500   # quick look
+
+Workload: every worker holds whole 256-block (4096-token, block size 16) chains, which all begin with
+the same 16-block system prompt and are each held by about two workers; queries are held chains cut
+at a random block and continued with fresh blocks, so every worker matches the shared prefix and the
+chain's holders match further. Ingest replays BlockStored batches of 16 blocks (one request's step)
+through the whole path: msgpack decode, re-hash of token_ids, engine-hash map, indexer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+from router.events import BlockStored, decode_batch, encode_batch
+from router.hashing import block_hashes, local_block_hashes, salt_root, sequence_hashes
+from router.indexer import KvIndexer
+from router.ingest import EventIngestor
+from router.service import KvRouter, RouterConfig
+
+BLOCK = 16
+CHAIN = 256
+SYSTEM = 16
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def chains(n: int, rng: random.Random) -> list[list[int]]:
+    system = [rng.getrandbits(64) for _ in range(SYSTEM)]
+    return [sequence_hashes(system + [rng.getrandbits(64) for _ in range(CHAIN - SYSTEM)]) for _ in range(n)]
+
+
+def percentiles(ns: list[int]) -> tuple[float, float]:
+    ns = sorted(ns)
+    return ns[len(ns) // 2] / 1e3, ns[int(len(ns) * 0.99)] / 1e3
+
+
+def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Random) -> dict:
+    per_worker = max(1, round(resident / (workers * (CHAIN - SYSTEM))))
+    pool = chains(max(1, workers * per_worker // 2), rng)  # each chain held by ~2 workers
+    gc.collect()
+    before = rss_bytes()
+    indexer = KvIndexer()
+    store_s = 0.0
+    for w in range(workers):
+        for chain in rng.sample(pool, min(per_worker, len(pool))):
+            fresh = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in chain]  # as events make them
+            t0 = time.perf_counter()
+            indexer.store(w, fresh)
+            store_s += time.perf_counter() - t0
+    gc.collect()
+    mem = indexer.memory()
+    rss = rss_bytes() - before
+    wall, cpu, as_dict, matched = [], [], [], []
+    for _ in range(queries):
+        chain = rng.choice(pool)
+        cut = rng.randrange(SYSTEM, CHAIN)
+        query = chain[:cut] + sequence_hashes(
+            [rng.getrandbits(64) for _ in range(CHAIN - cut)], chain[cut - 1]
+        )
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        result = indexer.find_matches(query)
+        cpu.append(time.thread_time_ns() - c0)
+        wall.append(time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        matched.append(len(result.to_dict()))
+        as_dict.append(time.perf_counter_ns() - t0 + wall[-1])
+    return dict(
+        workers=workers,
+        resident=mem.resident_blocks,
+        nodes=mem.nodes,
+        wall=percentiles(wall),
+        cpu=percentiles(cpu),
+        as_dict=percentiles(as_dict),
+        workers_matched=statistics.mean(matched),
+        store_blocks_s=mem.resident_blocks / store_s,
+        rss_per_block=rss / mem.resident_blocks,
+        approx_per_block=mem.approx_bytes / mem.resident_blocks,
+    )
+
+
+def ingest_batches(n_blocks: int, foreign: bool, rng: random.Random) -> list[bytes]:
+    """Batches of one BlockStored of 16 blocks each, chained per 256-block request."""
+    out = []
+    per_event = 16
+    for start in range(0, n_blocks, CHAIN):
+        tokens = [rng.randrange(50_000) for _ in range(CHAIN * BLOCK)]
+        hashes = sequence_hashes(local_block_hashes(tokens, BLOCK))
+        names = [h.to_bytes(8, "big") + b"engine" for h in hashes] if foreign else hashes
+        for i in range(0, CHAIN, per_event):
+            parent = names[i - 1] if i else None
+            event = BlockStored(
+                names[i : i + per_event], parent, tokens[i * BLOCK : (i + per_event) * BLOCK], BLOCK
+            )
+            out.append(encode_batch([event]))
+    return out
+
+
+def bench_ingest(n_blocks: int, foreign: bool, rng: random.Random) -> dict:
+    payloads = ingest_batches(n_blocks, foreign, rng)
+    ingestor = EventIngestor(KvIndexer(), BLOCK)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for seq, payload in enumerate(payloads):
+        ingestor.deliver("w", seq, payload)
+    total, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    # where the time goes: each stage alone over the same batches
+    t0 = time.perf_counter()
+    events = [decode_batch(p)[0].events[0] for p in payloads]
+    decode = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    project = [sequence_hashes(local_block_hashes(e.token_ids, BLOCK), salt_root(None)) for e in events]
+    hashing = time.perf_counter() - t0
+    indexer = KvIndexer()
+    t0 = time.perf_counter()
+    for hashes in project:
+        indexer.store("w", hashes)
+    store = time.perf_counter() - t0
+    blocks = ingestor.stats.blocks_stored
+    return dict(
+        kind="foreign hashes (vLLM)" if foreign else "project hashes (native)",
+        blocks=blocks,
+        blocks_s=blocks / total,
+        cpu_blocks_s=blocks / cpu,
+        decode_us=decode / blocks * 1e6,
+        hash_us=hashing / blocks * 1e6,
+        store_us=store / blocks * 1e6,
+        total_us=total / blocks * 1e6,
+    )
+
+
+def bench_route(workers: int, rng: random.Random, requests: int = 300) -> tuple[float, float]:
+    router = KvRouter(RouterConfig(block_size=BLOCK, seed=0))
+    system = [rng.randrange(50_000) for _ in range(256)]
+    for w in range(workers):
+        router.add_worker(w, "prefill", capacity_blocks=1 << 20)
+        router.indexer.store(w, block_hashes(system + [rng.randrange(50_000) for _ in range(1024)], BLOCK))
+    times = []
+    for i in range(requests):
+        prompt = system + [rng.randrange(50_000) for _ in range(CHAIN * BLOCK - len(system))]
+        t0 = time.perf_counter_ns()
+        router.route("prefill", str(i), prompt)
+        times.append(time.perf_counter_ns() - t0)
+        router.mark_finished(str(i))
+    return percentiles(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--resident", type=int, default=1_000_000, help="resident (worker, block) pairs")
+    parser.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument("--ingest-blocks", type=int, default=200_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+
+    print(f"event ingest, {args.ingest_blocks} blocks in BlockStored batches of 16 blocks (us per block)")
+    print(
+        "blocks/s by wall clock and by thread CPU time; then us per block of each stage run alone, and in all"
+    )
+    print(
+        f"{'engine hashes':<26}{'blocks/s':>12}{'cpu blk/s':>12}{'decode':>9}{'re-hash':>9}{'index':>9}"
+        f"{'total':>9}"
+    )
+    for foreign in (False, True):
+        r = bench_ingest(args.ingest_blocks, foreign, rng)
+        print(
+            f"{r['kind']:<26}{r['blocks_s']:>12,.0f}{r['cpu_blocks_s']:>12,.0f}{r['decode_us']:>9.2f}{r['hash_us']:>9.2f}"
+            f"{r['store_us']:>9.2f}{r['total_us']:>9.2f}"
+        )
+
+    print(
+        f"\nfind_matches, 256-block prompt (4096 tokens), ~{args.resident:,} resident blocks, "
+        f"{args.queries} queries; p50/p99 in us: wall clock, thread CPU time (no preemption by other "
+        f"processes), and wall clock including turning the answer into a dict of every matched worker"
+    )
+    print(
+        f"{'workers':>8}{'resident':>11}{'nodes':>10}{'wall p50/p99':>16}{'cpu p50/p99':>16}"
+        f"{'dict p50/p99':>16}{'matched':>9}{'store blk/s':>13}{'B/blk rss':>11}{'B/blk est':>11}"
+    )
+    for workers in args.workers:
+        r = bench_find_matches(workers, args.resident, args.queries, rng)
+        cols = "".join(f"{f'{a:.1f}/{b:.1f}':>16}" for a, b in (r["wall"], r["cpu"], r["as_dict"]))
+        print(
+            f"{r['workers']:>8}{r['resident']:>11,}{r['nodes']:>10,}{cols}{r['workers_matched']:>9.1f}"
+            f"{r['store_blocks_s']:>13,.0f}{r['rss_per_block']:>11.0f}{r['approx_per_block']:>11.0f}"
+        )
+        gc.collect()
+
+    print(
+        "\nKvRouter.route end to end (hash the 4096-token prompt, match, load, kv policy), every worker "
+        "holding a 256-token shared prefix plus its own 1024 tokens"
+    )
+    for workers in args.workers:
+        p50, p99 = bench_route(workers, rng)
+        print(f"{workers:>8} workers: p50 {p50:.0f} us, p99 {p99:.0f} us")
+
+    tokens = [random.randrange(50_000) for _ in range(CHAIN * BLOCK)]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        sequence_hashes(local_block_hashes(tokens, BLOCK))
+    print(
+        f"\nhashing a 4096-token prompt into 256 block hashes (done once per route): "
+        f"{(time.perf_counter() - t0) / 200 * 1e6:.0f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()

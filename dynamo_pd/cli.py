@@ -1,0 +1,101 @@
+"""Command-line plumbing shared by every process: engine flags in, EngineConfig out.
+
+Flags this project does not know are passed to the engine untouched (`--foo-bar 3` becomes
+`EngineConfig.extra["foo_bar"] = 3`), so each engine's own options work without a wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from dynamo_pd.engines.base import EngineConfig, EngineRole, engine_names
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--engine", default="native", help=f"one of {', '.join(engine_names())} (default: native)")
+    g.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (native engine)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--handoff-lease-s", type=float, default=30.0, help="prefill: how long held KV waits for decode")
+
+
+NAMESPACE_HELP = "deployment name: keys in discovery and event subjects live under it (default dynamo_pd)"
+
+
+def check_namespace(namespace: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", namespace):
+        raise SystemExit(f"error: --namespace must be letters, digits, '_' or '-', got {namespace!r}")
+    return namespace
+
+
+def _positive(name: str, value: float | int | None) -> None:
+    if value is not None and value <= 0:
+        raise SystemExit(f"error: {name} must be positive, got {value}")
+
+
+def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[str]) -> EngineConfig:
+    if args.engine not in engine_names():
+        raise SystemExit(f"error: --engine {args.engine!r} is unknown; choose one of {', '.join(engine_names())}")
+    for flag in ("block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "handoff_lease_s"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    return EngineConfig(
+        role=role,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        handoff_lease_s=args.handoff_lease_s,
+        extra=parse_passthrough(passthrough),
+    )
+
+
+def parse_passthrough(tokens: list[str]) -> dict:
+    """`--key value` / `--flag` pairs for the engine; values parse as JSON when they can."""
+    extra: dict = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise SystemExit(f"error: unexpected argument {token!r} (engine flags look like --name value)")
+        key, _, inline = token[2:].partition("=")
+        key = key.replace("-", "_")
+        if inline:
+            value, i = inline, i + 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            value, i = tokens[i + 1], i + 2
+        else:
+            value, i = "true", i + 1
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    return extra
+
+
+def main() -> None:
+    """`dynamo-pd serve|prefill|decode|aggregated|frontend ...`: the same as `python -m dynamo_pd.<command>`."""
+    commands = ("serve", "prefill", "decode", "aggregated", "frontend")
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        raise SystemExit(f"usage: dynamo-pd {{{','.join(commands)}}} [options]")
+    command = sys.argv.pop(1)
+    sys.argv[0] = f"dynamo-pd {command}"
+    import importlib
+
+    module = f"dynamo_pd.{command}" + (".__main__" if command == "frontend" else "")
+    importlib.import_module(module).main()

@@ -1,0 +1,101 @@
+"""`python -m dynamo_pd.frontend`: the OpenAI-compatible HTTP server, the KV router and, unless
+etcd is given, the embedded discovery server the workers register with."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import uvicorn
+
+from dynamo_pd.cli import NAMESPACE_HELP, check_namespace
+from dynamo_pd.frontend.app import FrontendConfig, create_app
+from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
+from dynamo_pd.metrics import Metrics
+from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
+from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
+from router.service import KvRouter, RouterConfig
+
+log = logging.getLogger("dynamo_pd.frontend")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dynamo_pd.frontend", description="dynamo-pd OpenAI frontend + router")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help=f"the model the workers serve (default {DEFAULT_MODEL})")
+    p.add_argument("--discovery", default="tcp://127.0.0.1:7000",
+                   help="etcd://HOST:PORT, or tcp://HOST:PORT where this frontend hosts embedded discovery")
+    p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
+    p.add_argument("--events", default=None, help="nats://HOST:PORT (default: ZMQ)")
+    p.add_argument("--api-key", default=os.environ.get("DYNAMO_PD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /ready "
+                        "(default: $DYNAMO_PD_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size, for routing")
+    p.add_argument("--router-policy", default="kv", choices=["kv", "round_robin", "random", "least_loaded", "cache_aware"])
+    p.add_argument("--overlap-weight", type=float, default=1.0)
+    p.add_argument("--router-temperature", type=float, default=0.0)
+    p.add_argument("--busy-kv-fraction", type=float, default=0.95)
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
+    p.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
+    args = p.parse_args(argv)
+    if not (args.discovery.startswith("tcp://") or args.discovery.startswith("etcd://")):
+        p.error(f"--discovery must be etcd://HOST:PORT or tcp://HOST:PORT, got {args.discovery!r}")
+    if args.events is not None and not args.events.startswith("nats://"):
+        p.error(f"--events must be nats://HOST:PORT, got {args.events!r}")
+    if not 0 < args.busy_kv_fraction <= 1:
+        p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
+    return args
+
+
+async def run(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer, AutoConfig
+
+    model_dir = await asyncio.to_thread(resolve_model, args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    context_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    closers = []
+    if args.discovery.startswith("tcp://"):
+        server = DiscoveryServer(args.discovery)
+        await server.start()
+        closers.append(server.close)
+    discovery = await connect_discovery(args.discovery, namespace=check_namespace(args.namespace))
+    events = await connect_event_plane(args.events, discovery)
+    metrics = Metrics()
+    router = KvRouter(RouterConfig(block_size=args.block_size, policy=args.router_policy,
+                                   overlap_weight=args.overlap_weight, temperature=args.router_temperature,
+                                   busy_kv_fraction=args.busy_kv_fraction))
+    backend = RemoteBackend(args.model or DEFAULT_MODEL, tokenizer, context_len, discovery, events, router, metrics,
+                            BackendConfig(args.local_prefill_tokens, args.on_prefill_failure), events_url=args.events,
+                            namespace=args.namespace)
+    await backend.start()
+    closers[:0] = [backend.close, events.close, discovery.close]
+    app = create_app(backend, FrontendConfig(host=args.host, port=args.port, api_key=args.api_key,
+                                             max_body_bytes=args.max_body_bytes), metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    print(f"dynamo-pd frontend listening on http://{args.host}:{args.port} (discovery {args.discovery})", flush=True)
+    try:
+        await server.serve()
+    finally:
+        for close in closers:
+            await close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP frontend: validate, tokenize, hand the request to a Backend, stream back.
+
+Errors are OpenAI error bodies: 400 invalid, 401 bad key, 404 unknown model, 413 too long,
+503 overloaded. A client that goes away cancels the request's context, which the backend
+propagates to every worker holding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.frontend import openai as oai
+from dynamo_pd.metrics import Metrics
+from dynamo_pd.protocol import (
+    EngineOutput,
+    EngineRequest,
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
+)
+
+
+class Backend(Protocol):
+    """Whatever serves engine requests: local engines, or the router and remote workers."""
+
+    model_name: str
+    tokenizer: Any  # a Hugging Face tokenizer with the model's chat template
+    max_model_len: int
+
+    def ready(self) -> bool: ...
+
+    def refresh_metrics(self) -> None:
+        """Set the gauges that are read off live state rather than counted as requests pass."""
+
+    def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]: ...
+
+
+@dataclass
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    default_max_tokens: int = 256
+    disconnect_poll_s: float = 0.25
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+_OPEN_ROUTES = {"/health", "/ready"}
+
+
+def _body_too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"request body over {limit} bytes", "invalid_request_error")
+
+
+class _BodyLimit:
+    """Caps bodies that declare no length (chunked uploads): read up to the limit, then hand the app
+    the whole body at once. Declared lengths are refused up front by the guard middleware."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        headers = dict(scope.get("headers", ())) if scope["type"] == "http" else {}
+        if scope["type"] != "http" or b"content-length" in headers or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await _body_too_large(self.limit)(scope, receive, send)
+            more = message.get("more_body", False)
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()  # after the body: disconnect notices
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
+def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None = None) -> FastAPI:
+    app = FastAPI(title="dynamo-pd", version="0.1.0")
+    metrics = metrics or Metrics()
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if config.api_key and request.url.path not in _OPEN_ROUTES:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+            return _body_too_large(config.max_body_bytes)
+        return await call_next(request)
+
+    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(400, f"{param or 'body'}: {first['msg']}", "invalid_request_error", param)
+
+    @app.exception_handler(HTTPError)
+    async def http_error(_request: Request, exc: HTTPError):
+        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request: Request, exc: Exception):
+        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if backend.ready():
+            return JSONResponse({"status": "ready"})
+        return error_response(503, "no workers ready", "service_unavailable")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        backend.refresh_metrics()
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "owned_by": "dynamo-pd"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return await serve("chat", body, list(ids), request)
+
+    @app.post("/v1/completions")
+    async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+        ids = body.prompt if isinstance(body.prompt, list) else backend.tokenizer(body.prompt).input_ids
+        return await serve("completion", body, list(ids), request)
+
+    async def serve(kind: str, body: oai._Common, ids: list[int], http: Request) -> Response:
+        if body.model != backend.model_name:
+            raise HTTPError(404, f"model {body.model!r} does not exist", "invalid_request_error", "model", "model_not_found")
+        request = EngineRequest(
+            request_id=oai.new_id("chatcmpl" if kind == "chat" else "cmpl"),
+            prompt_token_ids=ids,
+            sampling=body.sampling(body.logprob_count()),
+            stop=body.stop_conditions(config.default_max_tokens),
+        )
+        try:
+            request.validate()
+            limit = backend.max_model_len
+            if len(ids) + request.stop.max_tokens > limit:
+                raise PromptTooLongError(
+                    f"prompt ({len(ids)} tokens) plus max_tokens ({request.stop.max_tokens}) exceeds the "
+                    f"model's context of {limit} tokens", "messages" if kind == "chat" else "prompt"
+                )
+        except PromptTooLongError as exc:
+            raise HTTPError(413, str(exc), "invalid_request_error", exc.param, "context_length_exceeded") from exc
+        except InvalidRequestError as exc:
+            raise HTTPError(400, str(exc), "invalid_request_error", exc.param) from exc
+        stream = _timed(backend.generate(request, RequestContext(request.request_id)), metrics)
+        try:
+            first = await anext(stream)  # errors before the first token become HTTP errors
+        except StopAsyncIteration:
+            raise HTTPError(500, "backend returned no output", "server_error") from None
+        except OverloadedError as exc:
+            metrics.requests.labels(kind, "503").inc()
+            raise HTTPError(503, str(exc), "overloaded_error", code="overloaded") from exc
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            sse = _sse(kind, request.request_id, backend, _chain(first, stream), include_usage, metrics)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        collected = asyncio.ensure_future(_collect(_chain(first, stream)))
+        watcher = asyncio.ensure_future(_wait_disconnect(http, config.disconnect_poll_s))
+        await asyncio.wait({collected, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not collected.done():  # client went away: closing the stream cancels the request everywhere
+            collected.cancel()
+            metrics.requests.labels(kind, "499").inc()
+            return Response(status_code=499)
+        outputs = collected.result()
+        metrics.requests.labels(kind, "200").inc()
+        return JSONResponse(oai.whole_body(kind, request.request_id, backend.model_name, backend.tokenizer.decode, outputs))
+
+    return app
+
+
+async def _chain(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics) -> AsyncIterator[EngineOutput]:
+    """Record TTFT, ITL and usage, and count the request in flight while it is."""
+    start = last = time.perf_counter()
+    first = True
+    metrics.inflight.inc()
+    metrics.queued.inc()
+    try:
+        async for out in stream:
+            now = time.perf_counter()
+            if out.token_ids:
+                if first:
+                    metrics.ttft.observe(now - start)
+                    metrics.queued.dec()
+                    first = False
+                else:
+                    metrics.itl.observe((now - last) / len(out.token_ids))
+                last = now
+            if out.usage is not None:
+                metrics.record_usage(out.usage.prompt_tokens, out.usage.cached_tokens, out.usage.completion_tokens)
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error or "generation failed")
+            yield out
+    finally:
+        if first:
+            metrics.queued.dec()
+        metrics.inflight.dec()
+        await stream.aclose()
+
+
+async def _collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
+    try:
+        return [out async for out in stream]
+    finally:
+        await stream.aclose()
+
+
+async def _wait_disconnect(http: Request, poll_s: float) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(poll_s)
+
+
+async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
+               metrics: Metrics) -> AsyncIterator[bytes]:
+    model, decode = backend.model_name, backend.tokenizer.decode
+    status = "200"
+    try:
+        if kind == "chat":
+            first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+            yield oai.sse_event(oai.chunk_envelope(kind, rid, model, first))
+        async for out in stream:
+            choice = oai.stream_choice(kind, out, decode)
+            if choice is not None:
+                yield oai.sse_event(oai.chunk_envelope(kind, rid, model, choice))
+            if out.usage is not None and include_usage:
+                usage_chunk = oai.chunk_envelope(kind, rid, model, {})
+                usage_chunk["choices"], usage_chunk["usage"] = [], oai.usage_body(out.usage)
+                yield oai.sse_event(usage_chunk)
+    except asyncio.CancelledError:
+        status = "499"  # the client went away; closing `stream` cancels the request everywhere
+        raise
+    except Exception as exc:  # noqa: BLE001 - a stream already started can only report in-band
+        status = "500"
+        yield oai.sse_event({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+    finally:
+        metrics.requests.labels(kind, status).inc()
+        await stream.aclose()
+    yield b"data: [DONE]\n\n"

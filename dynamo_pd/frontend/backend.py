@@ -1,0 +1,247 @@
+"""RemoteBackend: the frontend's view of the deployment: discovery -> router -> workers over RPC.
+
+Disaggregated path of one request:
+  1. route to a decode worker by load (and by overlap, when it may prefill locally);
+     if the uncached part of the prompt is at most `local_prefill_tokens`, the decode worker
+     prefills it itself (conditional disaggregation);
+  2. otherwise route to a prefill worker by overlap and load; it returns the first token and a
+     KVHandoff whose descriptor says where the prompt's KV is held; the first token goes to the
+     client at once;
+  3. the decode worker pulls the KV through kv_transfer and streams the rest.
+A remote prefill or a transfer that fails falls back to local prefill on the decode worker
+(counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.metrics import Metrics
+from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
+from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RpcClient, RpcError
+from dynamo_pd.runtime.tasks import cancel_and_wait
+from router.service import KvRouter, NoWorkers, Overloaded
+
+log = logging.getLogger("dynamo_pd.frontend")
+
+_output_decoder = msgspec.msgpack.Decoder(EngineOutput)
+_load_decoder = msgspec.msgpack.Decoder(LoadMetrics)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class KVLoadFailedError(RuntimeError):
+    """The decode worker could not import the prompt's KV."""
+
+
+@dataclass
+class BackendConfig:
+    local_prefill_tokens: int = 0  # decode prefills locally when the uncached prompt is at most this
+    on_prefill_failure: Literal["local", "fail"] = "local"
+
+
+class RemoteBackend:
+    def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, discovery: Discovery,
+                 events: EventPlane, router: KvRouter, metrics: Metrics, config: BackendConfig | None = None,
+                 events_url: str | None = None, namespace: str = "dynamo_pd"):
+        self.model_name, self.tokenizer, self._max_model_len = model_name, tokenizer, max_model_len
+        self.discovery, self.events, self.router, self.metrics = discovery, events, router, metrics
+        self.config = config or BackendConfig()
+        self._events_url = events_url
+        self._load_subject = f"{namespace}.load"
+        self.workers: dict[str, WorkerInfo] = {}
+        self.rpc = RpcClient()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch_workers()), asyncio.create_task(self._follow_load())]
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._tasks)
+        await self.router.close()
+        await self.rpc.close()
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [w.max_model_len for w in self.workers.values() if w.max_model_len]
+        return min(lengths, default=self._max_model_len)
+
+    def _pool(self, role: str) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def ready(self) -> bool:
+        return bool(self._pool("decode") or self._pool("aggregated"))
+
+    def refresh_metrics(self) -> None:
+        for worker_id in self.workers:
+            self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexer.blocks_of(worker_id))
+
+    # ---- membership
+
+    async def _watch_workers(self) -> None:
+        """Follow discovery for good: an outage long enough to end a watch starts a new one."""
+        while True:
+            try:
+                await self._follow_workers()
+            except DiscoveryUnavailableError as exc:
+                log.error("discovery unavailable (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+
+    async def _follow_workers(self) -> None:
+        async for kind, info in self.discovery.watch():
+            if kind == "removed":
+                if self.workers.pop(info.worker_id, None) is not None:
+                    self.router.remove_worker(info.worker_id)
+                    self.metrics.forget_worker(info.worker_id)
+                    log.info("worker %s left", info.worker_id)
+                continue
+            if info.model != self.model_name:
+                log.warning("ignoring worker %s: it serves %r, not %r", info.worker_id, info.model, self.model_name)
+                continue
+            if info.block_size != self.router.config.block_size:  # its KV events would hash differently
+                log.warning("ignoring worker %s: its KV block size is %d, the router's --block-size is %d",
+                            info.worker_id, info.block_size, self.router.config.block_size)
+                continue
+            if info.worker_id in self.workers:
+                continue
+            self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30)
+            try:
+                if info.kv_events_subject:
+                    await self.router.connect_nats_events(info.worker_id, self._events_url, info.kv_events_subject)
+                elif info.kv_events_endpoint:
+                    await self.router.connect_events(info.worker_id, info.kv_events_endpoint,
+                                                     info.kv_events_replay_endpoint or None)
+            except Exception:  # noqa: BLE001 - the worker still serves; routing just lacks its cache view
+                log.exception("could not follow KV events of %s", info.worker_id)
+            self.workers[info.worker_id] = info
+            log.info("worker %s joined (%s, %s)", info.worker_id, info.role, info.engine)
+
+    async def _follow_load(self) -> None:
+        async with await self.events.subscribe(self._load_subject) as sub:
+            async for _subject, payload in sub:
+                with contextlib.suppress(msgspec.DecodeError):
+                    load = _load_decoder.decode(payload)
+                    if load.worker_id in self.workers:
+                        self.router.update_load_metrics(load)
+                        self.metrics.record_load(load.worker_id, load.num_running, load.num_free_blocks,
+                                                 load.num_total_blocks)
+
+    # ---- requests
+
+    def _route(self, pool: str, request: EngineRequest, local_prefill: bool = False):
+        try:
+            return self.router.route(pool, request.request_id, request.prompt_token_ids, request.cache_salt,
+                                     local_prefill=local_prefill)
+        except (Overloaded, NoWorkers) as exc:
+            raise OverloadedError(str(exc)) from exc
+
+    async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        rid = request.request_id
+        try:
+            if self._pool("decode"):
+                stream = self._disaggregated(request, context)
+            else:
+                stream = self._stream(self._route("aggregated", request).worker_id, request, context, "aggregated")
+            async for out in stream:
+                yield out
+        finally:
+            self.router.mark_finished(rid)
+
+    async def _stream(self, worker_id: str, request: EngineRequest, context: RequestContext,
+                      pool: str) -> AsyncIterator[EngineOutput]:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise OverloadedError(f"worker {worker_id} left before the request reached it")
+        first = True
+        async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context):
+            out = _output_decoder.decode(chunk)
+            if out.kv_transfer_bytes:
+                self.metrics.transfer_bytes.inc(out.kv_transfer_bytes)
+                self.metrics.transfer_seconds.observe(out.kv_transfer_s)
+            if first and out.token_ids:
+                self.router.mark_prefill_done(request.request_id, pool)
+                first = False
+            yield out
+
+    async def _disaggregated(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        # Overlap on the decode worker matters only when it may prefill locally; otherwise routing
+        # by overlap would also book the whole prompt's prefill on it until its first token.
+        local_prefill = self.config.local_prefill_tokens > 0 or not self._pool("prefill")
+        decode = self._route("decode", request, local_prefill=local_prefill)
+        if not self._pool("prefill") or (
+                local_prefill and len(request.prompt_token_ids) - decode.cached_tokens <= self.config.local_prefill_tokens):
+            async for out in self._stream(decode.worker_id, request, context, "decode"):
+                yield out
+            return
+        prefill_context = RequestContext(request.request_id)
+        prefill_stream = None
+        try:
+            try:
+                prefill_stream = self._stream(self._route("prefill", request).worker_id, request, prefill_context,
+                                              "prefill")
+                first = await anext(prefill_stream)
+                if first.handoff is None:
+                    raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
+            except (RpcError, RuntimeError, StopAsyncIteration, OverloadedError) as exc:
+                async for out in self._fallback(decode.worker_id, request, context, None, "prefill_failed", exc):
+                    yield out
+                return
+            yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
+            remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
+            try:
+                async for out in self._decode_after_handoff(decode.worker_id, remote, context, first):
+                    yield out
+            except KVLoadFailedError as exc:
+                async for out in self._fallback(decode.worker_id, request, context, first, "transfer_failed", exc):
+                    yield out
+        finally:
+            prefill_context.cancel()  # frees the prefill's held blocks if the decode side never read them
+            if prefill_stream is not None:
+                await prefill_stream.aclose()
+
+    async def _decode_after_handoff(self, worker_id: str, request: EngineRequest, context: RequestContext,
+                                    first: EngineOutput) -> AsyncIterator[EngineOutput]:
+        """The decode stream, minus its echo of the first token (already sent), with whole-request usage."""
+        echoed = False
+        async for out in self._stream(worker_id, request, context, "decode"):
+            if out.finish_reason == "error" and not echoed:
+                raise KVLoadFailedError(out.error or "KV import failed")
+            if not echoed and out.token_ids[:1] == first.token_ids:
+                echoed = True
+                out = msgspec.structs.replace(out, token_ids=out.token_ids[1:], text=out.text[len(first.text):],
+                                              logprobs=out.logprobs[1:] if out.logprobs else out.logprobs)
+            if out.usage is not None and first.usage is not None:
+                out = msgspec.structs.replace(out, usage=Usage(
+                    prompt_tokens=first.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
+                    cached_tokens=first.usage.cached_tokens))
+            if out.token_ids or out.text or out.finish_reason:
+                yield out
+
+    async def _fallback(self, worker_id: str, request: EngineRequest, context: RequestContext,
+                        first: EngineOutput | None, reason: str, exc: Exception) -> AsyncIterator[EngineOutput]:
+        """Prefill on the decode worker instead; after a first token, continue from prompt + that token."""
+        if self.config.on_prefill_failure == "fail":
+            raise RuntimeError(f"remote prefill failed ({reason}): {exc}") from exc
+        log.warning("request %s: %s (%s); prefilling on the decode worker", request.request_id, reason, exc)
+        self.metrics.fallbacks.labels(reason).inc()
+        local = request
+        if first is not None:
+            local = msgspec.structs.replace(
+                request, prompt_token_ids=request.prompt_token_ids + first.token_ids,
+                stop=msgspec.structs.replace(request.stop, max_tokens=request.stop.max_tokens - 1))
+            if local.stop.max_tokens < 1:
+                yield msgspec.structs.replace(first, finish_reason="length", handoff=None)
+                return
+        async for out in self._stream(worker_id, local, context, "decode"):
+            if out.usage is not None and first is not None:
+                out = msgspec.structs.replace(out, usage=Usage(
+                    prompt_tokens=out.usage.prompt_tokens - 1, completion_tokens=out.usage.completion_tokens + 1,
+                    cached_tokens=min(out.usage.cached_tokens, out.usage.prompt_tokens - 1)))
+            yield out

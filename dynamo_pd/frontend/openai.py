@@ -1,0 +1,182 @@
+"""OpenAI request bodies (pydantic, for validation and the served OpenAPI schema) and their
+translation into engine requests; response chunks built from engine outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynamo_pd.protocol import EngineOutput, InvalidRequestError, SamplingParams, StopConditions, TokenLogprob, Usage
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+        if len(parts) != len(self.content):
+            raise InvalidRequestError("only text content parts are supported", "messages")
+        return "".join(parts)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def stop_conditions(self, default_max_tokens: int) -> StopConditions:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return StopConditions(
+            max_tokens=self.requested_max_tokens() or default_max_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs,
+        )
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_logprobs(items: list[TokenLogprob], decode) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": decode(lp.token_id),
+                "logprob": lp.logprob,
+                "top_logprobs": [{"token": decode(t), "logprob": v} for t, v in lp.top],
+            }
+            for lp in items
+        ]
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob], decode) -> dict[str, Any]:
+    return {
+        "tokens": [decode(lp.token_id) for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{decode(t): v for t, v in lp.top} for lp in items],
+    }
+
+
+def finish_reason(out: EngineOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def chunk_envelope(kind: str, rid: str, model: str, choice: dict[str, Any]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def whole_body(kind: str, rid: str, model: str, decode, outputs: list[EngineOutput]) -> dict[str, Any]:
+    """The non-streaming response: every output's text and logprobs joined, the last one's usage."""
+    last = outputs[-1]
+    logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
+    wants_logprobs = outputs[0].logprobs is not None
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last)}
+    text = "".join(o.text for o in outputs)
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = chat_logprobs(logprobs, decode) if wants_logprobs else None
+    else:
+        choice["text"] = text
+        choice["logprobs"] = completion_logprobs(logprobs, decode) if wants_logprobs else None
+    body = chunk_envelope(kind, rid, model, choice)
+    body["object"] = "chat.completion" if kind == "chat" else "text_completion"
+    if last.usage is not None:
+        body["usage"] = usage_body(last.usage)
+    return body
+
+
+def stream_choice(kind: str, out: EngineOutput, decode) -> dict[str, Any] | None:
+    """One streamed chunk's choice, or None when the output carries nothing to send."""
+    if not (out.text or out.finish_reason or out.logprobs):
+        return None
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out)}
+    if kind == "chat":
+        choice["delta"] = {"content": out.text} if out.text else {}
+        if out.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(out.logprobs, decode)
+    else:
+        choice["text"] = out.text
+        if out.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(out.logprobs, decode)
+    return choice
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

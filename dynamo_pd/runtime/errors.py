@@ -1,0 +1,42 @@
+"""Typed errors of the runtime: discovery, event plane and request plane."""
+
+from __future__ import annotations
+
+
+class RuntimePlaneError(RuntimeError):
+    """Base of every error the runtime raises."""
+
+
+class DiscoveryUnavailableError(RuntimePlaneError):
+    """The discovery backend (embedded server or etcd) did not answer in time."""
+
+
+class EventPlaneError(RuntimePlaneError):
+    """The event plane could not connect, publish or subscribe."""
+
+
+class RpcError(RuntimePlaneError):
+    """Base of the request plane's errors."""
+
+
+class WorkerGoneError(RpcError):
+    """The worker's connection dropped (or never came up) while a stream was open."""
+
+
+class FirstResponseTimeoutError(RpcError):
+    """The worker sent nothing within the first-response timeout; the stream was cancelled."""
+
+
+class RequestCancelledError(RpcError):
+    """The caller's RequestContext was cancelled while the stream was open."""
+
+
+class RemoteError(RpcError):
+    """The worker's handler raised; `error_type` is the remote exception's class name."""
+
+    def __init__(self, error_type: str, message: str, endpoint: str = ""):
+        where = f" on worker {endpoint}" if endpoint else ""
+        super().__init__(f"{error_type}{where}: {message}")
+        self.error_type = error_type
+        self.remote_message = message
+        self.endpoint = endpoint

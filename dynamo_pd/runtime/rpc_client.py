@@ -1,0 +1,220 @@
+"""Request plane, frontend side: streaming RPC to workers, many streams on one connection per worker.
+
+    client = RpcClient()
+    context = RequestContext(request_id)
+    async for chunk in client.stream(worker.rpc_endpoint, payload, context):
+        ...                                   # bytes, as the worker's handler yielded them
+    await client.close()
+
+Every way out is bounded and typed:
+  - the handler raised                            -> RemoteError(error_type, message)
+  - no connection within `connect_timeout_s`, or the connection dropped (the worker died: ZMQ
+    heartbeats, answered by ZMQ's I/O thread so a busy worker loop is no false alarm, notice a
+    silent peer within `heartbeat_timeout_s`)  -> WorkerGoneError
+  - nothing within `first_response_timeout_s`      -> FirstResponseTimeoutError (the stream is cancelled)
+  - `context.cancel()` while streaming             -> RequestCancelledError
+Leaving the loop early (break, aclose, the consuming task cancelled) or any of the errors above
+sends a Cancel, so the worker's context is cancelled and it aborts the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.runtime import rpc_wire as wire
+from dynamo_pd.runtime.errors import (
+    FirstResponseTimeoutError,
+    RemoteError,
+    RequestCancelledError,
+    WorkerGoneError,
+)
+
+log = logging.getLogger(__name__)
+
+_END = object()
+_CANCELLED = object()
+
+
+class _Connection:
+    """One DEALER to one worker; owns the queues of the streams open on it."""
+
+    def __init__(self, endpoint: str, heartbeat_timeout_s: float, ping_s: float):
+        self.endpoint = endpoint
+        self._ping_s = ping_s
+        ctx = zmq.asyncio.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.routing_id = uuid.uuid4().bytes
+        self._sock.sndhwm = self._sock.rcvhwm = 100_000
+        self._sock.heartbeat_ivl = max(100, int(heartbeat_timeout_s * 1000 / 3))
+        self._sock.heartbeat_timeout = int(heartbeat_timeout_s * 1000)
+        self._out = zmq.Socket.shadow(self._sock.underlying)  # sends never wait: DEALER queues them
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.connected = asyncio.Event()
+        self.gone: WorkerGoneError | None = None
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count(1)
+        try:
+            self._sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"bad worker endpoint {endpoint!r}: {exc}") from exc
+        self._tasks = [asyncio.create_task(self._read(), name=f"rpc-read-{endpoint}"),
+                       asyncio.create_task(self._watch_connection(), name=f"rpc-monitor-{endpoint}"),
+                       asyncio.create_task(self._ping(), name=f"rpc-ping-{endpoint}")]
+
+    def open(self, payload: bytes, request_id: str) -> tuple[int, asyncio.Queue]:
+        if self.gone is not None:
+            raise self.gone
+        stream = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[stream] = queue
+        self._send([wire.encoder.encode(wire.Open(stream, request_id)), payload])
+        return stream, queue
+
+    def close_stream(self, stream: int, cancel: bool) -> None:
+        if self._streams.pop(stream, None) is not None and cancel and self.gone is None:
+            with contextlib.suppress(WorkerGoneError):
+                self._send([wire.encoder.encode(wire.Cancel(stream))])
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._out.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EAGAIN: 100k messages queued, the worker is not reading
+            self.fail(WorkerGoneError(f"worker {self.endpoint} is not accepting messages: {exc}"))
+            raise self.gone from exc
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = wire.client_decoder.decode(frames[0])
+            except Exception as exc:
+                log.warning("rpc client: dropping malformed message from %s: %s", self.endpoint, exc)
+                continue
+            queue = self._streams.get(msg.stream)
+            if queue is None:
+                continue  # a stream we already closed
+            if isinstance(msg, wire.Data):
+                queue.put_nowait(frames[1] if len(frames) > 1 else b"")
+            elif isinstance(msg, wire.End):
+                queue.put_nowait(_END)
+            else:
+                queue.put_nowait(RemoteError(msg.error_type, msg.message, self.endpoint))
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected.set()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.fail(WorkerGoneError(f"connection to worker {self.endpoint} dropped"))
+                return
+
+    async def _ping(self) -> None:
+        while True:
+            await asyncio.sleep(self._ping_s)
+            if self._streams and self.gone is None:
+                with contextlib.suppress(WorkerGoneError):
+                    self._send([wire.encoder.encode(wire.Ping())])
+
+    def fail(self, error: WorkerGoneError) -> None:
+        """Mark the connection dead: every open stream gets `error`, and the sockets close."""
+        if self.gone is not None:
+            return
+        self.gone = error
+        for queue in self._streams.values():
+            queue.put_nowait(WorkerGoneError(*error.args))  # one instance per stream: tracebacks stay apart
+        self._streams.clear()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close()
+        self._sock.close()
+
+
+class RpcClient:
+    def __init__(self, *, connect_timeout_s: float = 5.0, first_response_timeout_s: float = 60.0,
+                 heartbeat_timeout_s: float = 3.0, ping_s: float = 1.0):
+        self.connect_timeout_s = connect_timeout_s
+        self.first_response_timeout_s = first_response_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._ping_s = ping_s
+        self._connections: dict[str, _Connection] = {}
+
+    async def _connection(self, endpoint: str) -> _Connection:
+        conn = self._connections.get(endpoint)
+        if conn is None or conn.gone is not None:
+            conn = _Connection(endpoint, self._heartbeat_timeout_s, self._ping_s)
+            self._connections[endpoint] = conn
+        if not conn.connected.is_set():
+            try:
+                await asyncio.wait_for(conn.connected.wait(), self.connect_timeout_s)
+            except asyncio.TimeoutError:
+                conn.fail(WorkerGoneError(
+                    f"could not connect to worker {endpoint} within {self.connect_timeout_s}s"))
+        if conn.gone is not None:
+            raise conn.gone
+        return conn
+
+    async def stream(self, endpoint: str, payload: bytes, context: RequestContext, *,
+                     first_response_timeout_s: float | None = None) -> AsyncIterator[bytes]:
+        """Yield the worker handler's chunks for `payload`; see the module docstring for the errors."""
+        if context.cancelled:
+            raise RequestCancelledError(f"request {context.request_id} was cancelled before it was sent")
+        conn = await self._connection(endpoint)
+        stream, queue = conn.open(payload, context.request_id)
+
+        async def forward_cancel() -> None:
+            await context.wait_cancelled()
+            queue.put_nowait(_CANCELLED)
+
+        watcher = asyncio.create_task(forward_cancel(), name=f"rpc-cancel-{context.request_id}")
+        timeout = first_response_timeout_s or self.first_response_timeout_s
+        finished = False
+        try:
+            while True:
+                if timeout is None:
+                    item = await queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), timeout)
+                    except asyncio.TimeoutError:
+                        raise FirstResponseTimeoutError(
+                            f"worker {endpoint} sent nothing for request {context.request_id} "
+                            f"within {timeout}s") from None
+                    timeout = None
+                if item is _END:
+                    finished = True
+                    return
+                if item is _CANCELLED:
+                    raise RequestCancelledError(f"request {context.request_id} was cancelled")
+                if isinstance(item, Exception):
+                    finished = True  # the worker's side is over already
+                    raise item
+                yield item
+        finally:
+            watcher.cancel()
+            conn.close_stream(stream, cancel=not finished)
+
+    async def close(self) -> None:
+        for conn in self._connections.values():
+            conn.fail(WorkerGoneError(f"rpc client closed (worker {conn.endpoint})"))
+        self._connections.clear()
+        await asyncio.sleep(0)  # let the cancelled tasks finish

@@ -1,0 +1,154 @@
+"""Request plane, worker side: a streaming RPC server on one ZMQ ROUTER socket.
+
+    async def handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+        async for out in engine.generate(decode(payload), context):
+            yield encode(out)
+
+    server = RpcServer(handler)             # binds tcp://127.0.0.1:<random>
+    await server.start(); server.endpoint   # advertise it in WorkerInfo.rpc_endpoint
+    ...; await server.close()               # cancels every open stream
+
+Each stream runs the handler in its own task with a fresh RequestContext. A client's Cancel, a
+client silent for `client_timeout_s` (it pings every second while it has streams) or a client
+that is gone sets the context and cancels the task, so the handler's `finally` frees what it
+holds. A handler exception reaches the client as `RemoteError(type name, message)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.runtime import rpc_wire as wire
+from dynamo_pd.runtime.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, RequestContext], AsyncIterator[bytes]]
+
+
+class RpcServer:
+    def __init__(self, handler: Handler, endpoint: str = "tcp://127.0.0.1:0", client_timeout_s: float = 10.0):
+        self._handler = handler
+        self._bind_endpoint = endpoint
+        self._client_timeout_s = client_timeout_s
+        self._sock: zmq.asyncio.Socket | None = None
+        self._streams: dict[tuple[bytes, int], tuple[asyncio.Task, RequestContext]] = {}
+        self._last_seen: dict[bytes, float] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.endpoint = ""
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> str:
+        if self._sock is not None:
+            raise RuntimeError(f"rpc server already started at {self.endpoint}")
+        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.router_mandatory = 1  # a send to a gone client raises instead of vanishing
+        sock.sndhwm = sock.rcvhwm = 100_000
+        sock.heartbeat_ivl, sock.heartbeat_timeout = 1000, 5000  # drop half-open connections
+        try:
+            sock.bind(self._bind_endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise OSError(f"rpc server cannot bind {self._bind_endpoint!r}: {exc}") from exc
+        self._sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._tasks = [asyncio.create_task(self._serve(), name="rpc-serve"),
+                       asyncio.create_task(self._reap(), name="rpc-reap")]
+        return self.endpoint
+
+    async def close(self) -> None:
+        tasks = self._tasks + [task for task, _ in self._streams.values()]
+        for key in list(self._streams):
+            self._cancel(key)
+        await cancel_and_wait(tasks)
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            peer = frames[0]
+            self._last_seen[peer] = time.monotonic()
+            try:
+                msg = wire.server_decoder.decode(frames[1])
+            except (msgspec.DecodeError, IndexError) as exc:
+                log.warning("rpc server: dropping malformed message from %r: %s", peer, exc)
+                continue
+            if isinstance(msg, wire.Open):
+                key = (peer, msg.stream)
+                payload = frames[2] if len(frames) > 2 else b""
+                context = RequestContext(msg.request_id)
+                task = asyncio.create_task(self._run(key, payload, context), name=f"rpc-{msg.request_id}")
+                self._streams[key] = (task, context)
+            elif isinstance(msg, wire.Cancel):
+                self._cancel((peer, msg.stream))
+
+    def _cancel(self, key: tuple[bytes, int]) -> None:
+        entry = self._streams.pop(key, None)
+        if entry is not None:
+            task, context = entry
+            context.cancel()  # set first, so the handler's cleanup sees why it stops
+            task.cancel()
+
+    async def _run(self, key: tuple[bytes, int], payload: bytes, context: RequestContext) -> None:
+        peer, stream = key
+        try:
+            async with contextlib.aclosing(self._handler(payload, context)) as chunks:
+                async for chunk in chunks:
+                    if not await self._send(peer, context, wire.Data(stream), chunk):
+                        return  # leaving the block closes the handler, its context already cancelled
+            await self._send(peer, context, wire.End(stream))
+        except asyncio.CancelledError:
+            pass  # cancelled by the client, its absence, or close(): nobody waits for an answer
+        except Exception as exc:
+            log.info("rpc stream %s failed: %r", context.request_id, exc)
+            await self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc)))
+        finally:
+            if self._streams.get(key, (None,))[0] is asyncio.current_task():
+                del self._streams[key]
+
+    async def _send(self, peer: bytes, context: RequestContext, header: wire.ToClient,
+                    *payload: bytes) -> bool:
+        """False (and the context cancelled) when the client is gone."""
+        try:
+            await self._sock.send_multipart([peer, wire.encoder.encode(header), *payload])
+            return True
+        except zmq.ZMQError as exc:
+            log.info("rpc stream %s: client unreachable (%s); cancelling", context.request_id, exc)
+            context.cancel()
+            return False
+
+    async def _reap(self) -> None:
+        """Cancel the streams of clients that stopped pinging (crashed, or their host went away)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            silent = {peer for peer, seen in self._last_seen.items() if now - seen > self._client_timeout_s}
+            for key in [k for k in self._streams if k[0] in silent]:
+                log.warning("rpc stream %s: client silent for %.0fs; cancelling",
+                            self._streams[key][1].request_id, self._client_timeout_s)
+                self._cancel(key)
+            for peer in silent:
+                del self._last_seen[peer]

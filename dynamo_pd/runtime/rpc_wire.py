@@ -1,0 +1,45 @@
+"""Request-plane wire: a msgpack header frame, then the payload frame where there is one.
+
+client DEALER -> server ROUTER:  [Open, payload] | [Cancel] | [Ping]
+server ROUTER -> client DEALER:  [Data, payload] | [End] | [Fail]
+`stream` numbers a client's streams; many share one connection.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Open(msgspec.Struct, tag=True):
+    stream: int
+    request_id: str
+
+
+class Cancel(msgspec.Struct, tag=True):
+    stream: int
+
+
+class Ping(msgspec.Struct, tag=True):
+    """Sent while the client has open streams; a client silent too long has its streams cancelled."""
+
+
+class Data(msgspec.Struct, tag=True):
+    stream: int
+
+
+class End(msgspec.Struct, tag=True):
+    stream: int
+
+
+class Fail(msgspec.Struct, tag=True):
+    stream: int
+    error_type: str
+    message: str
+
+
+ToServer = Open | Cancel | Ping
+ToClient = Data | End | Fail
+
+encoder = msgspec.msgpack.Encoder()
+server_decoder = msgspec.msgpack.Decoder(ToServer)
+client_decoder = msgspec.msgpack.Decoder(ToClient)

@@ -1,0 +1,125 @@
+"""Real deployments on loopback: a frontend and workers as separate processes, exactly as
+`python -m dynamo_pd.serve` starts them (its plan), so tests can kill single workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import uuid
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from dynamo_pd.runtime.ports import free_port
+from dynamo_pd.serve import parse_args, plan
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Deployment:
+    url: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # "frontend", worker ids
+    logs: Path | None = None
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def post(self, path: str, body: dict | bytes, headers: dict | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"content-type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        _, text = self.get("/metrics")
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.decode().splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == (f"{name}{{{want}}}" if labels else name):
+                return float(value)
+        return None
+
+    def wait_for(self, predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if predicate():
+                    return
+            except OSError:  # the frontend is not listening yet
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{what} not reached within {timeout_s}s; logs in {self.logs}")
+
+    def stop(self) -> dict[str, int]:
+        """SIGTERM everything (workers first) and return each process's exit code."""
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+
+def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = None,
+                     timeout_s: float = 180.0) -> Deployment:
+    port = free_port()
+    namespace = f"test-{uuid.uuid4().hex[:8]}"  # deployments sharing one etcd / NATS stay apart
+    options, engine_argv = parse_args(["--port", str(port), "--discovery-port", str(free_port()),
+                                       "--namespace", namespace, *args])
+    _, commands = plan(options, engine_argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path)
+    for command in commands:
+        name = command[command.index("--worker-id") + 1] if "--worker-id" in command else "frontend"
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            deployment.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    expected = workers_expected if workers_expected is not None else len(commands) - 1
+    try:
+        deployment.wait_for(lambda: _workers_registered(deployment) >= expected, timeout_s, "workers registered")
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def _workers_registered(deployment: Deployment) -> int:
+    for name, proc in deployment.procs.items():
+        if proc.poll() is not None:
+            log = (deployment.logs / f"{name}.log").read_text()[-3000:]
+            raise AssertionError(f"{name} exited with {proc.returncode}:\n{log}")
+    try:
+        return sum(1 for line in deployment.get("/metrics")[1].decode().splitlines()
+                   if line.startswith("dynamo_pd_worker_total_blocks{"))
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def openai_client_factory():
+    openai = pytest.importorskip("openai")
+
+    def make(deployment: Deployment, api_key: str = "none"):
+        return openai.OpenAI(base_url=deployment.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    return make
