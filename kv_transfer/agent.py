@@ -5,7 +5,7 @@
 
 Prefill (pull mode):
     desc = agent.hold(rid, block_ids, num_tokens, on_release)   # thread-safe, returns at once
-    on_release(rid, reason) fires exactly once: DONE when the decode side finished reading, ERROR when
+    on_release(rid, reason, payload) fires exactly once: DONE when the decode side finished reading, ERROR when
     it reported a failure, EXPIRED when the lease ran out, CANCELLED on agent.release(rid) or close().
     The worker frees its engine blocks in on_release, whatever the reason.
 Decode (pull mode):
@@ -16,9 +16,11 @@ Decode (pull mode):
     already told the holder (Finish(ok=False)) so the prefill side frees its blocks too.
 Push mode (SGLang style):
     decode:  desc = agent.hold(rid, reserved_ids, num_tokens, on_release, block_offset=n, writable=True)
-    prefill: await agent.push(desc, local_block_ids)    # all of the request's blocks, from block 0
-    decode's on_release gets DONE once the blocks are filled (keep them), anything else: free them.
-    The prefill caller frees its own blocks after push returns or raises.
+             await agent.reserve(prefill_endpoint, desc)          # tell the prefill side where to write
+    prefill: desc = await agent.wait_push_target(rid, timeout)    # the Reserve may come before or after
+             await agent.push(desc, local_block_ids, payload=b"...")  # all of the request's blocks
+    decode's on_release gets DONE and the payload once the blocks are filled (keep them), anything
+    else: free them. The prefill caller frees its own blocks after push returns or raises.
 
 on_release runs on the agent's event loop, or in the thread that called release().
 """
@@ -41,14 +43,14 @@ from kv_transfer.memory import STAGING, KVMemory
 from kv_transfer.plan import pull_plan, push_plan
 from kv_transfer.protocol import (
     Begin, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError, ReleaseReason,
-    Reply, Request, TransferDescriptor, TransferError, Write, raise_for,
+    Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
 )
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer
 from kv_transfer.transports import ByteSink, TransferConfig, block_frames, make_transport, stream_frames
 
 log = logging.getLogger(__name__)
 
-OnRelease = Callable[[str, ReleaseReason], None]
+OnRelease = Callable[[str, ReleaseReason, bytes], None]  # (request id, why, the peer's Finish payload)
 _ENDED_MEMORY = 4096  # recently ended holds remembered, to tell "expired" from "freed"
 _SWEEP_S = 0.02
 
@@ -75,6 +77,7 @@ class KVTransferAgent:
         self._lock = threading.Lock()
         self._server: SideChannelServer | None = None
         self._sweeper: asyncio.Task | None = None
+        self._push_targets: dict[str, asyncio.Future] = {}  # push mode: request id -> Reserve's target
 
     @property
     def endpoint(self) -> str:
@@ -155,7 +158,7 @@ class KVTransferAgent:
         with self._lock:
             return list(self._holds)
 
-    def _end(self, request_id: str, reason: ReleaseReason) -> bool:
+    def _end(self, request_id: str, reason: ReleaseReason, payload: bytes = b"") -> bool:
         with self._lock:
             hold = self._holds.pop(request_id, None)
             if hold is None:
@@ -166,7 +169,7 @@ class KVTransferAgent:
         for cleanup in hold.cleanups:
             cleanup()
         try:
-            hold.on_release(request_id, reason)
+            hold.on_release(request_id, reason, payload)
         except Exception:
             log.exception("on_release(%r, %s) raised", request_id, reason)
         return True
@@ -179,6 +182,9 @@ class KVTransferAgent:
                 expired = [rid for rid, h in self._holds.items() if h.deadline < now]
             for rid in expired:
                 self._end(rid, ReleaseReason.EXPIRED)
+            for rid, target in list(self._push_targets.items()):  # Reserves nobody came for
+                if target.done() and target.result().lease_deadline < time.time():
+                    del self._push_targets[rid]
 
     def _missing(self, request_id: str) -> Reply:
         reason = self._ended.get(request_id)
@@ -191,6 +197,12 @@ class KVTransferAgent:
         """The holder's side of the protocol (runs on the side channel)."""
         if isinstance(request, GetMetadata):
             return Reply(True, payload=self.transport.metadata())
+        if isinstance(request, Reserve):
+            target = self._push_target(request.request_id)
+            if target.done():
+                return Reply(False, "bad_request", f"blocks for {request.request_id!r} were already reserved")
+            target.set_result(request.target)
+            return Reply(True)
         with self._lock:
             hold = self._holds.get(request.request_id)
         if hold is not None and hold.deadline < time.monotonic():  # expired, the sweeper not yet by
@@ -214,7 +226,7 @@ class KVTransferAgent:
                 return Reply(False, "freed", f"{request.request_id!r} was cancelled at {self.engine_id}")
             if not request.ok:
                 log.warning("peer failed transfer of %r: %s", request.request_id, request.message)
-            self._end(request.request_id, reason)
+            self._end(request.request_id, reason, request.payload)
             return Reply(True)
         if not hold.pinned:
             return Reply(False, "bad_request", f"{type(request).__name__} before Begin for {request.request_id!r}")
@@ -252,14 +264,44 @@ class KVTransferAgent:
                                     reading=True)
 
     async def push(self, desc: TransferDescriptor, local_block_ids: Sequence[int],
-                   timeout_s: float | None = None) -> int:
-        """Write this side's blocks (all of the request's, from block 0) into the blocks `desc` reserved."""
+                   timeout_s: float | None = None, payload: bytes = b"") -> int:
+        """Write this side's blocks (all of the request's, from block 0) into the blocks `desc` reserved;
+        the holder's on_release gets `payload` with DONE."""
         if not desc.writable:
             raise ValueError(f"descriptor for {desc.request_id!r} is not a push target; call pull()")
         return await self._transfer(desc, timeout_s, lambda: push_plan(desc, self.memory, local_block_ids),
-                                    reading=False)
+                                    reading=False, payload=payload)
 
-    async def _transfer(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool) -> int:
+    # -- push-mode rendezvous ---------------------------------------------------------------------
+
+    def _push_target(self, request_id: str) -> asyncio.Future:
+        if request_id not in self._push_targets:
+            self._push_targets[request_id] = asyncio.get_running_loop().create_future()
+        return self._push_targets[request_id]
+
+    async def reserve(self, endpoint: str, target: TransferDescriptor, timeout_s: float | None = None) -> None:
+        """Decode side: tell the agent at `endpoint` that `target` (a writable hold) waits for its push."""
+        if not target.writable:
+            raise ValueError(f"descriptor for {target.request_id!r} is not a push target")
+        try:
+            raise_for(await self._client.call(endpoint, Reserve(target.request_id, target),
+                                              timeout_s or self.config.timeout_s))
+        except PeerLostError:
+            self._client.forget(endpoint)
+            raise
+
+    async def wait_push_target(self, request_id: str, timeout_s: float) -> TransferDescriptor:
+        """Prefill side: the descriptor the decode side reserved for `request_id` (sent before or after)."""
+        target = self._push_target(request_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(target), timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s") from None
+        finally:
+            self._push_targets.pop(request_id, None)
+
+    async def _transfer(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool,
+                        payload: bytes = b"") -> int:
         timeout = timeout_s or self.config.timeout_s
         try:
             if desc.transport != self.transport.name:
@@ -275,8 +317,8 @@ class KVTransferAgent:
         except (TransferError, ValueError) as e:
             await self._finish(desc, False, str(e), timeout)  # let the holder free its blocks now
             raise
-        if plan is None:  # every block already cached locally
-            raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True), timeout))
+        if plan is None:  # every block already cached on the reading side
+            raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout))
             return 0
         try:
             raise_for(await self._client.call(desc.endpoint, Begin(desc.request_id, desc.compat_hash, timeout),
@@ -292,7 +334,7 @@ class KVTransferAgent:
         except BaseException as e:
             await asyncio.shield(self._finish(desc, False, f"{type(e).__name__}: {e}", timeout))
             raise
-        raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True), timeout))
+        raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout))
         if finish is not None:
             await asyncio.to_thread(finish)
         return plan.nbytes

@@ -5,8 +5,10 @@ Hand-off (pull, the default; vLLM / Dynamo / TensorRT-LLM style):
     prefill: desc = agent.hold(rid, blocks, on_release)  -> desc travels with the first token
     decode:  await agent.pull(desc, my_blocks, skip_prefix_blocks=n)
              = Begin (peer pins the hold) -> bytes move -> Finish (peer releases: on_release(DONE))
-Push (SGLang style): decode holds writable blocks and publishes the descriptor; prefill calls
-    await agent.push(desc, its_blocks); decode's on_release fires with DONE once they are filled.
+Push (SGLang style): decode holds writable blocks and sends their descriptor to the prefill side
+    (Reserve, keyed by the request id both sides share: the "room"); prefill waits for it, calls
+    await agent.push(desc, its_blocks, payload=...); decode's on_release fires with DONE and the
+    payload (the first token) once the blocks are filled.
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ class Finish(msgspec.Struct, tag=True):
     request_id: str
     ok: bool
     message: str = ""
+    payload: bytes = b""  # opaque to kv_transfer; handed to the holder's on_release (push: first token)
+
+
+class Reserve(msgspec.Struct, tag=True):
+    """Push mode, decode -> prefill: the blocks `target` describes wait for the prefill to fill them."""
+
+    request_id: str
+    target: TransferDescriptor
 
 
 class Fetch(msgspec.Struct, tag=True):
@@ -115,7 +125,7 @@ class Reply(msgspec.Struct):
     payload: bytes = b""
 
 
-Request = Begin | Finish | Fetch | Write | Pack | GetMetadata
+Request = Begin | Finish | Fetch | Write | Pack | GetMetadata | Reserve
 
 ERRORS: dict[str, type[TransferError]] = {
     "expired": LeaseExpiredError,

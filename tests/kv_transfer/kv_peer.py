@@ -61,6 +61,7 @@ def _serve(conn, config: TransferConfig, layout: KVLayout, seed: int) -> None:
 async def _serve_async(conn, config: TransferConfig, layout: KVLayout, seed: int) -> None:
     memory = filled_memory(layout, seed)
     releases: list[tuple[str, str]] = []
+    payloads: dict[str, bytes] = {}  # what each release's Finish carried
     async with KVTransferAgent(f"peer-{os.getpid()}", memory, config) as agent:
         conn.send(agent.endpoint)
         while True:
@@ -69,11 +70,17 @@ async def _serve_async(conn, config: TransferConfig, layout: KVLayout, seed: int
                 if command == "hold":
                     rid, block_ids, num_tokens, kwargs = args
                     desc = agent.hold(rid, block_ids, num_tokens,
-                                      lambda r, why: releases.append((r, why.value)), **kwargs)
+                                      lambda r, why, payload: (releases.append((r, why.value)), payloads.update({r: payload})),
+                                      **kwargs)
                     result = msgspec.msgpack.encode(desc)
                 elif command == "pull":
                     desc = msgspec.msgpack.decode(args[0], type=TransferDescriptor)
                     result = await agent.pull(desc, args[1], skip_prefix_blocks=args[2])
+                elif command == "reserve":  # push mode: tell the prefill side where to write
+                    endpoint, encoded = args
+                    result = await agent.reserve(endpoint, msgspec.msgpack.decode(encoded, type=TransferDescriptor))
+                elif command == "payload":
+                    result = payloads.get(args[0])
                 elif command == "begin_then_hang":  # a decode that dies right after pinning
                     desc = msgspec.msgpack.decode(args[0], type=TransferDescriptor)
                     await agent._client.call(desc.endpoint, Begin(desc.request_id, desc.compat_hash, 1.0), 5.0)

@@ -77,7 +77,7 @@ async def test_decode_dies_mid_transfer_and_the_lease_frees_the_blocks(ipc_dir):
     released = []
     config = make_config("zmq-tcp", "prefill", timeout_s=0.5, lease_s=30)
     async with KVTransferAgent("prefill", filled_memory(make_layout("native", 16), 1), config) as agent:
-        desc = agent.hold("orphan", [4, 5], 20, lambda rid, why: released.append(why.value))
+        desc = agent.hold("orphan", [4, 5], 20, lambda rid, why, _: released.append(why.value))
         decode = Peer(make_config("zmq-tcp", "decode"), make_layout("native", 16), seed=2)
         try:
             assert await asyncio.to_thread(decode.call, "begin_then_hang", msgspec.msgpack.encode(desc)) == "pinned"
@@ -152,7 +152,7 @@ async def test_release_fires_exactly_once_whatever_races():
     p, d = inproc_pair()
     calls = []
     async with p, d:
-        desc = p.hold("r", [1, 2], 20, lambda rid, why: calls.append(why.value), lease_s=0.05)
+        desc = p.hold("r", [1, 2], 20, lambda rid, why, _: calls.append(why.value), lease_s=0.05)
         assert p.release("r") is True
         assert p.release("r") is False
         await asyncio.sleep(0.15)  # the lease would have expired by now
@@ -165,7 +165,7 @@ async def test_cancel_during_transfer_waits_for_the_peer_then_refuses():
     p, d = inproc_pair()
     calls = []
     async with p, d:
-        desc = p.hold("r", [1, 2], 20, lambda rid, why: calls.append(why.value))
+        desc = p.hold("r", [1, 2], 20, lambda rid, why, _: calls.append(why.value))
         client = SideChannelClient()
         try:
             assert (await client.call(p.endpoint, Begin("r", desc.compat_hash, 5.0), 5.0)).ok
@@ -174,6 +174,25 @@ async def test_cancel_during_transfer_waits_for_the_peer_then_refuses():
         finally:
             await client.close()
         assert reply.error == "freed" and calls == ["cancelled"] and p.holding() == []
+
+
+async def test_push_rendezvous_failures_are_named_and_free_the_reserved_blocks():
+    """No Reserve in time, a second Reserve for the same room, a push that cannot fit: each is a
+    clear error, and the decode side's reserved blocks are released (ERROR) when the push fails."""
+    p, d = inproc_pair(decode_layout=make_layout("native", 16))
+    calls = []
+    async with p, d:
+        with pytest.raises(PeerLostError, match="no decode side reserved blocks for 'late'"):
+            await p.wait_push_target("late", timeout_s=0.05)
+        target = d.hold("room", [5, 6], 20, lambda rid, why, payload: calls.append((why.value, payload)),
+                        writable=True)
+        await d.reserve(p.endpoint, target)
+        with pytest.raises(TransferError, match="already reserved"):
+            await d.reserve(p.endpoint, target)
+        got = await p.wait_push_target("room", timeout_s=1)
+        with pytest.raises(ValueError, match="local blocks"):
+            await p.push(got, [1], payload=b"never")  # 20 tokens need 2 blocks
+        assert calls == [("error", b"")] and d.holding() == []
 
 
 async def test_inproc_merges_two_tensor_parallel_ranks():

@@ -64,7 +64,7 @@ async def test_pull_random_blocks_into_another_layout(peer, ipc_dir, decode):
 
 
 async def test_push_into_blocks_the_decode_reserved(peer, ipc_dir):
-    """SGLang style: the peer (decode) reserves blocks and publishes where; we prefill and push."""
+    """SGLang style: the peer (decode) reserves blocks and sends us where; we prefill and push."""
     layout = make_layout("vllm", 8)
     source = filled_memory(layout, seed=5)
     num_tokens, cached = 16 * 10 + 3, 2  # the decode side already has 2 blocks of 16
@@ -72,10 +72,16 @@ async def test_push_into_blocks_the_decode_reserved(peer, ipc_dir):
     reserved = list(range(50, 50 + 11 - cached))
     desc = peer.hold("push-1", reserved, num_tokens, block_offset=cached, writable=True)
     async with KVTransferAgent("prefill", source, make_config(peer.kind, "prefill", ipc_dir, peer.etcd)) as agent:
-        await agent.push(desc, src_blocks)
+        # The prefill starts waiting before the Reserve arrives: the rendezvous works in either order.
+        waiting = asyncio.create_task(agent.wait_push_target("push-1", timeout_s=30))
+        await asyncio.to_thread(peer.call, "reserve", agent.endpoint, msgpack.encode(desc))
+        target = await waiting
+        assert target == desc
+        await agent.push(target, src_blocks, payload=b"first-token")
     filled = peer.call("tokens", reserved, num_tokens - cached * 16)
     assert torch.equal(filled, token_stream(source, src_blocks, num_tokens)[:, :, cached * 16 :])
     assert ("push-1", "done") in peer.call("releases")
+    assert peer.call("payload", "push-1") == b"first-token"
 
 
 async def test_peer_pulls_from_us(peer, ipc_dir):
@@ -84,7 +90,7 @@ async def test_peer_pulls_from_us(peer, ipc_dir):
     memory = filled_memory(layout, seed=9)
     released = []
     async with KVTransferAgent("prefill", memory, make_config(peer.kind, "prefill2", ipc_dir, peer.etcd)) as agent:
-        desc = agent.hold("rev-1", [7, 8, 9, 30], 60, lambda rid, why: released.append((rid, why.value)))
+        desc = agent.hold("rev-1", [7, 8, 9, 30], 60, lambda rid, why, _: released.append((rid, why.value)))
         moved = await asyncio.to_thread(peer.call, "pull", msgpack.encode(desc), [44, 45, 46, 47], 0)
         assert moved == 4 * layout.block_bytes
         got = await asyncio.to_thread(peer.call, "tokens", [44, 45, 46, 47], 60)
