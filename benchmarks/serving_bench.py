@@ -1,6 +1,6 @@
 """Aggregated vs disaggregated serving on this machine, same workload, one run.
 
-    python benchmarks/serving_bench.py                       # agg x1, agg x2, 1P1D; 32 Mooncake requests
+    python benchmarks/serving_bench.py                       # agg x1, agg x2, 1P1D (pull, push); 32 Mooncake requests
     python benchmarks/serving_bench.py --modes 1p1d --requests 64
 
 Workload: the first N requests of the Mooncake conversation trace (../shared/data), scaled to
@@ -31,7 +31,8 @@ from dynamo_pd.runtime.ports import free_port
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 MODEL = "SmolLM2-135M-Instruct"
-MODES = {"agg1": ["--aggregated", "1"], "agg2": ["--aggregated", "2"], "1p1d": ["--prefill", "1", "--decode", "1"]}
+MODES = {"agg1": ["--aggregated", "1"], "agg2": ["--aggregated", "2"], "1p1d": ["--prefill", "1", "--decode", "1"],
+         "1p1d-push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push"]}
 
 
 def workload(n: int, block_tokens: int, max_output: int, vocab: int = 49152) -> list[tuple[list[int], int]]:
@@ -91,7 +92,7 @@ async def run_load(url: str, requests: list[tuple[list[int], int]], concurrency:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="agg1,agg2,1p1d", help=f"comma-separated of {', '.join(MODES)}")
+    p.add_argument("--modes", default="agg1,agg2,1p1d,1p1d-push", help=f"comma-separated of {', '.join(MODES)}")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block")

@@ -63,15 +63,26 @@ class StopConditions(msgspec.Struct, kw_only=True):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
 
 
+HandoffMode = Literal["pull", "push"]
+
+
 class KVHandoff(msgspec.Struct, kw_only=True):
-    """Where a finished prefill's KV lives; travels prefill -> router -> decode."""
+    """How a prompt's KV reaches the decode worker.
+
+    pull (native, vLLM, TensorRT-LLM style): the prefill's first output carries it; the blocks are held
+    at the prefill worker and `descriptor` says where; the decode worker reads them.
+    push (SGLang style): the router sends it to the decode worker at the same time as the prefill
+    request, with the same request id (the "room") and no blocks; the decode worker reserves blocks,
+    tells the prefill worker's KV agent at `peer_endpoint`, and the prefill writes into them."""
 
     request_id: str  # the prefill-side request holding the blocks
-    block_ids: list[int]  # prefill-side blocks, in prompt order
+    block_ids: list[int]  # prefill-side blocks, in prompt order (pull)
     num_tokens: int  # prompt tokens whose KV the blocks hold
     block_size: int
-    worker_id: str = ""  # set by the prefill worker
-    descriptor: bytes | None = None  # encoded kv_transfer descriptor, set by the prefill worker
+    worker_id: str = ""  # the prefill worker
+    descriptor: bytes | None = None  # pull: encoded kv_transfer descriptor, set by the prefill worker
+    mode: HandoffMode = "pull"
+    peer_endpoint: str = ""  # push: the prefill worker's KV agent (its side channel)
     engine_params: dict[str, Any] | None = None  # engine-native hand-off (vLLM kv_transfer_params, ...)
 
 
@@ -82,7 +93,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     cache_salt: str | None = None  # isolates prefix caching (LoRA name, tenant)
     handoff: KVHandoff | None = None  # decode role: KV computed elsewhere
-    first_token_id: int | None = None  # decode role: the token the prefill sampled
+    first_token_id: int | None = None  # decode role, pull hand-off: the token the prefill sampled
 
     def validate(self) -> None:
         if not self.prompt_token_ids:
@@ -131,6 +142,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     kv_events_replay_endpoint: str = ""  # where a router catches up on missed event batches
     kv_events_subject: str = ""  # NATS subject of KV events ("" when events go over ZMQ)
     kv_layout: bytes | None = None  # encoded kv_transfer layout, for compatibility checks
+    kv_handoff: HandoffMode = "pull"  # prefill: how its KV reaches decode workers
+    kv_endpoint: str = ""  # the worker's KV agent side channel ("" for engines without one)
     block_size: int = 16
     num_kv_blocks: int = 0
     max_num_seqs: int = 0

@@ -39,6 +39,9 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--nats", default=None, help="nats://HOST:PORT for the event plane instead of ZMQ")
     p.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"])
+    p.add_argument("--kv-handoff", default="pull", choices=["pull", "push"],
+                   help="decode reads the prefill's held KV (pull) or prefill writes it into blocks decode "
+                        "reserved, SGLang style (push)")
     p.add_argument("--api-key", default=None, help="require this Bearer key on the HTTP API")
     return p
 
@@ -77,7 +80,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
     roles = [("aggregated", args.aggregated)] if args.aggregated else [("prefill", args.prefill), ("decode", args.decode)]
     workers = [
         [sys.executable, "-m", f"dynamo_pd.{role}", "--discovery", discovery, "--kv-transport", args.kv_transport,
-         "--worker-id", f"{role}-{i}", *plane, *engine_argv]
+         "--kv-handoff", args.kv_handoff, "--worker-id", f"{role}-{i}", *plane, *engine_argv]
         for role, count in roles for i in range(count)
     ]
     return discovery, [frontend, *workers]

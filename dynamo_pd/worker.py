@@ -4,9 +4,12 @@ publishing KV events and load, registered in discovery under a lease.
     python -m dynamo_pd.prefill --engine native --discovery tcp://127.0.0.1:7000
     python -m dynamo_pd.decode  --engine native --discovery etcd://127.0.0.1:2379 --events nats://127.0.0.1:4222
 
-PREFILL: each finished prefill's blocks are held by the KV transfer agent, which frees them in
-the engine when the decode side has read them, reported failure, or the lease ran out.
-DECODE: the engine's kv_loader pulls the blocks it lacks through the same agent.
+PREFILL, --kv-handoff pull (default): each finished prefill's blocks are held by the KV transfer
+agent, which frees them in the engine when the decode side has read them, reported failure, or the
+lease ran out. --kv-handoff push (SGLang style): the prefill waits for the decode side to reserve
+blocks under the request id, writes its KV into them with the first token, then frees its blocks.
+DECODE: the engine's kv_loader pulls the blocks it lacks through the same agent, or reserves them
+and waits for the push, as the request's hand-off says.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import msgspec
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, check_namespace, engine_config
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext, create_engine
 from dynamo_pd.model_store import DEFAULT_MODEL
-from dynamo_pd.protocol import EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
+from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import DiscoveryUnavailableError, RpcServer, connect_discovery, connect_event_plane
 from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.memory import KVMemory
-from kv_transfer.protocol import ReleaseReason, TransferDescriptor
+from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
 from kv_transfer.transports import TransferConfig
 from router.publisher import NatsEventPublisher, ZmqEventPublisher
 
@@ -53,6 +56,7 @@ class WorkerConfig:
     namespace: str = "dynamo_pd"
     events: str | None = None  # nats://... ; None: ZMQ
     kv_transport: str = "zmq"
+    kv_handoff: str = "pull"  # PREFILL: "pull" or "push"
     host: str = "127.0.0.1"
     worker_id: str = ""
     load_interval_s: float = 0.5
@@ -101,6 +105,7 @@ class Worker:
         )
         if self.agent is not None:
             info.kv_layout = _encoder.encode(self.agent.memory.layout)
+            info.kv_endpoint, info.kv_handoff = self.agent.endpoint, cfg.kv_handoff
         info = self._start_event_publisher(info)
         self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace)
         self.events = await connect_event_plane(cfg.events, self.discovery)
@@ -167,9 +172,12 @@ class Worker:
         the KV, so a caller that goes away (closing the stream) frees the held blocks at once."""
         request = _request_decoder.decode(payload)
         released: asyncio.Event | None = None
+        pushing: asyncio.Task | None = None
         try:
             async for out in self.engine.generate(request, context):
-                if out.handoff is not None:
+                if out.handoff is not None and self.config.kv_handoff == "push":
+                    pushing = asyncio.create_task(self._push(out))  # runs while the first token streams out
+                elif out.handoff is not None:
                     released = self._hold(out.handoff)
                 pulled = self._pulled.pop(request.request_id, None)
                 if pulled is not None:
@@ -177,16 +185,20 @@ class Worker:
                 yield _encoder.encode(out)
             if released is not None:
                 await asyncio.wait_for(released.wait(), self.config.engine_config.handoff_lease_s + 5)
+            if pushing is not None:
+                await pushing  # bounded: the rendezvous by the lease, the push by the agent's timeout
         finally:
             self._pulled.pop(request.request_id, None)
             if released is not None and not released.is_set():
                 self.agent.release(request.request_id)
+            if pushing is not None:
+                await cancel_and_wait([pushing])
 
     def _hold(self, handoff: KVHandoff) -> asyncio.Event:
         engine, loop = self.engine, asyncio.get_running_loop()
         released = asyncio.Event()
 
-        def on_release(request_id: str, reason: ReleaseReason) -> None:
+        def on_release(request_id: str, reason: ReleaseReason, _payload: bytes) -> None:
             if reason is not ReleaseReason.DONE:
                 log.info("hand-off of %s ended: %s", request_id, reason.value)
 
@@ -201,13 +213,58 @@ class Worker:
         handoff.worker_id = self.worker_id
         return released
 
-    async def _load_kv(self, handoff: KVHandoff, local_block_ids: list[int], cached_blocks: int) -> None:
+    async def _push(self, out: EngineOutput) -> None:
+        """PREFILL, push mode: write the prompt's KV and the first token into the blocks the decode
+        side reserved for this request id; the engine's blocks are freed whatever happens."""
+        rid = out.request_id
+        try:
+            target = await self.agent.wait_push_target(rid, self.config.engine_config.handoff_lease_s)
+            # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
+            payload = _encoder.encode((out.token_ids[0], time.time()))
+            await self.agent.push(target, out.handoff.block_ids, payload=payload)
+        except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
+            log.warning("push of %s failed: %s", rid, exc)
+        finally:
+            await asyncio.shield(self.engine.release_handoff(rid))
+
+    async def _load_kv(self, handoff: KVHandoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
+        if handoff.mode == "push":
+            return await self._receive_push(handoff, local_block_ids, cached_blocks)
         if handoff.descriptor is None:
             raise ValueError(f"hand-off of {handoff.request_id!r} carries no transfer descriptor")
         desc = msgspec.msgpack.decode(handoff.descriptor, type=TransferDescriptor)
         start = time.perf_counter()
         moved = await self.agent.pull(desc, local_block_ids[cached_blocks:], skip_prefix_blocks=cached_blocks)
         self._pulled[handoff.request_id] = (moved, time.perf_counter() - start)
+        return None
+
+    async def _receive_push(self, handoff: KVHandoff, local_block_ids: list[int], cached_blocks: int) -> int:
+        """DECODE, push mode: reserve the blocks this worker lacks, tell the prefill worker where they
+        are, and wait until it has filled them; returns the first token it sent along."""
+        rid, loop = handoff.request_id, asyncio.get_running_loop()
+        ended: asyncio.Future = loop.create_future()
+
+        def on_release(request_id: str, reason: ReleaseReason, payload: bytes) -> None:
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((reason, payload)))
+
+        blocks = local_block_ids[cached_blocks:]
+        target = self.agent.hold(rid, blocks, handoff.num_tokens, on_release, block_offset=cached_blocks,
+                                 writable=True)
+        try:
+            await self.agent.reserve(handoff.peer_endpoint, target)
+            reason, payload = await ended
+        finally:
+            # A push in flight keeps writing these blocks until its Finish: wait for it (bounded)
+            # before the engine may free them.
+            if self.agent.release(rid) and not ended.done():
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(ended), self.agent.config.timeout_s)
+        if reason is not ReleaseReason.DONE:
+            raise TransferError(f"push of {rid!r} from {handoff.worker_id or 'the prefill worker'} ended: "
+                                f"{reason.value}")
+        first_token_id, started = msgspec.msgpack.decode(payload)
+        self._pulled[rid] = (len(blocks) * self.agent.memory.layout.block_bytes, max(0.0, time.time() - started))
+        return first_token_id
 
 
 async def _connect_discovery(url: str, namespace: str, patience_s: float = 60.0):
@@ -230,6 +287,9 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     parser.add_argument("--events", default=None, help="nats://HOST:PORT to carry events over NATS (default: ZMQ)")
     parser.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"])
+    parser.add_argument("--kv-handoff", default="pull", choices=["pull", "push"],
+                        help="prefill: decode reads the held KV (pull) or prefill writes it into blocks decode "
+                             "reserved, SGLang style (push); decode workers follow each request's mode")
     parser.add_argument("--host", default="127.0.0.1", help="address this worker binds (default 127.0.0.1)")
     parser.add_argument("--worker-id", default="")
     add_engine_args(parser)
@@ -237,7 +297,8 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
     return WorkerConfig(
         engine=args.engine, engine_config=engine_config(args, role, passthrough), discovery=args.discovery,
         namespace=check_namespace(args.namespace),
-        events=args.events, kv_transport=args.kv_transport, host=args.host, worker_id=args.worker_id,
+        events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
+        worker_id=args.worker_id,
     )
 
 

@@ -70,8 +70,9 @@ class RequestContext:
 
 
 # DECODE role: fill `local_block_ids` with the KV the handoff describes, skipping the first
-# `cached_blocks` blocks the decode engine already holds; raise on failure.
-KVLoader = Callable[[KVHandoff, list[int], int], Awaitable[None]]
+# `cached_blocks` blocks the decode engine already holds; raise on failure. Returns the first token
+# when it arrived with the KV (push hand-off), else None (the request's first_token_id holds it).
+KVLoader = Callable[[KVHandoff, list[int], int], Awaitable[int | None]]
 
 
 class Engine(abc.ABC):

@@ -4,10 +4,14 @@ Disaggregated path of one request:
   1. route to a decode worker by load (and by overlap, when it may prefill locally);
      if the uncached part of the prompt is at most `local_prefill_tokens`, the decode worker
      prefills it itself (conditional disaggregation);
-  2. otherwise route to a prefill worker by overlap and load; it returns the first token and a
-     KVHandoff whose descriptor says where the prompt's KV is held; the first token goes to the
-     client at once;
-  3. the decode worker pulls the KV through kv_transfer and streams the rest.
+  2. otherwise route to a prefill worker by overlap and load; it returns the first token, which
+     goes to the client at once;
+  3. the hand-off the prefill worker registered decides the rest:
+     pull: the first output's KVHandoff says where the KV is held; the decode worker, sent the
+           request with it, pulls the KV through kv_transfer and streams the rest;
+     push: the decode request went out together with the prefill request, under the same request
+           id; the decode worker reserved blocks, the prefill worker wrote the KV and the first
+           token into them, and the decode worker streams the rest.
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
 (counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured.
 """
@@ -25,7 +29,7 @@ import msgspec
 
 from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.metrics import Metrics
-from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
+from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, OverloadedError, Usage, WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.service import KvRouter, NoWorkers, Overloaded
@@ -181,36 +185,62 @@ class RemoteBackend:
                 yield out
             return
         prefill_context = RequestContext(request.request_id)
-        prefill_stream = None
+        prefill_stream = decode_stream = decode_started = None
         try:
             try:
-                prefill_stream = self._stream(self._route("prefill", request).worker_id, request, prefill_context,
-                                              "prefill")
+                prefill = self.workers.get(self._route("prefill", request).worker_id)
+                if prefill is None:
+                    raise OverloadedError("the chosen prefill worker left before the request reached it")
+                prefill_stream = self._stream(prefill.worker_id, request, prefill_context, "prefill")
+                if prefill.kv_handoff == "push":  # the decode worker reserves blocks while the prefill runs
+                    decode_stream = self._stream(decode.worker_id, msgspec.structs.replace(request, handoff=KVHandoff(
+                        request_id=request.request_id, block_ids=[], num_tokens=len(request.prompt_token_ids),
+                        block_size=prefill.block_size, worker_id=prefill.worker_id, mode="push",
+                        peer_endpoint=prefill.kv_endpoint)), context, "decode")
+                    decode_started = asyncio.ensure_future(anext(decode_stream))
                 first = await anext(prefill_stream)
                 if first.handoff is None:
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
             except (RpcError, RuntimeError, StopAsyncIteration, OverloadedError) as exc:
+                if decode_stream is not None:  # the decode worker frees what it reserved
+                    await cancel_and_wait([decode_started])
+                    await decode_stream.aclose()
+                    # it may not have ended the reserving request yet: prefill locally under a new id
+                    request = msgspec.structs.replace(request, request_id=f"{request.request_id}-local")
                 async for out in self._fallback(decode.worker_id, request, context, None, "prefill_failed", exc):
                     yield out
                 return
             yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
-            remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
+            if decode_stream is None:
+                remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
+                decode_stream = self._stream(decode.worker_id, remote, context, "decode")
             try:
-                async for out in self._decode_after_handoff(decode.worker_id, remote, context, first):
+                async for out in self._decode_after_handoff(decode_stream, first, decode_started):
                     yield out
             except KVLoadFailedError as exc:
                 async for out in self._fallback(decode.worker_id, request, context, first, "transfer_failed", exc):
                     yield out
         finally:
             prefill_context.cancel()  # frees the prefill's held blocks if the decode side never read them
-            if prefill_stream is not None:
-                await prefill_stream.aclose()
+            if decode_started is not None:
+                await cancel_and_wait([decode_started])
+            for stream in (decode_stream, prefill_stream):
+                if stream is not None:
+                    await stream.aclose()
 
-    async def _decode_after_handoff(self, worker_id: str, request: EngineRequest, context: RequestContext,
-                                    first: EngineOutput) -> AsyncIterator[EngineOutput]:
-        """The decode stream, minus its echo of the first token (already sent), with whole-request usage."""
+    async def _decode_after_handoff(self, decode_stream: AsyncIterator[EngineOutput], first: EngineOutput,
+                                    decode_started: asyncio.Future | None) -> AsyncIterator[EngineOutput]:
+        """The decode stream (its first output already awaited in `decode_started`, push mode), minus
+        its echo of the first token (already sent), with whole-request usage."""
+
+        async def outputs() -> AsyncIterator[EngineOutput]:
+            if decode_started is not None:
+                yield await decode_started
+            async for item in decode_stream:
+                yield item
+
         echoed = False
-        async for out in self._stream(worker_id, request, context, "decode"):
+        async for out in outputs():
             if out.finish_reason == "error" and not echoed:
                 raise KVLoadFailedError(out.error or "KV import failed")
             if not echoed and out.token_ids[:1] == first.token_ids:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Task]) -> None:
+async def cancel_and_wait(tasks: Iterable[asyncio.Future]) -> None:
+    """Cancel `tasks` and wait until each has finished; what they raised or returned is dropped
+    (a stopped task's outcome no longer matters), but a cancellation of the caller propagates."""
     tasks = list(tasks)
     for task in tasks:
         task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await asyncio.gather(*tasks, return_exceptions=True)

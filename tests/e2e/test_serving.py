@@ -40,12 +40,15 @@ def aggregated(tmp_path_factory):
     assert b"dynamo-pd: stopping" in log_path.read_bytes()
 
 
-@pytest.fixture(scope="module", params=["embedded", "etcd+nats"])
+@pytest.fixture(scope="module", params=["embedded", "etcd+nats", "push"])
 def disagg(request, tmp_path_factory):
-    """2 prefill + 1 decode workers; discovery and events embedded (ZMQ), or on real etcd and NATS."""
+    """2 prefill + 1 decode workers; discovery and events embedded (ZMQ), or on real etcd and NATS;
+    the decode worker pulls the KV, or (push) reserves blocks the prefill workers write, SGLang style."""
     planes = []
     if request.param == "etcd+nats":
         planes = ["--etcd", request.getfixturevalue("etcd_url"), "--nats", request.getfixturevalue("nats_url")]
+    if request.param == "push":
+        planes = ["--kv-handoff", "push"]
     deployment = start_deployment(tmp_path_factory.mktemp("disagg"), "--prefill", "2", "--decode", "1",
                                   "--handoff-lease-s", "120", *planes)
     yield deployment
@@ -187,8 +190,9 @@ def _answers(deployment: Deployment) -> bool:
         return False
 
 
-def test_killing_the_prefill_worker_mid_request_falls_back_to_local_prefill(tmp_path, openai_client_factory):
-    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1")
+@pytest.mark.parametrize("handoff", ["pull", "push"])
+def test_killing_the_prefill_worker_mid_request_falls_back_to_local_prefill(tmp_path, openai_client_factory, handoff):
+    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--kv-handoff", handoff)
     try:
         client = openai_client_factory(deployment)
         prompt = "Summarise this. " + " ".join(f"item{i}" for i in range(1200))
@@ -253,10 +257,12 @@ def test_a_vllm_worker_serves_and_its_own_kv_events_reach_the_router(tmp_path, a
     assert codes == {"frontend": 0, "aggregated-0": 0}, codes
 
 
+@pytest.mark.parametrize("handoff", ["pull", "push"])
 def test_a_failed_kv_transfer_falls_back_to_prefill_on_the_decode_worker(tmp_path, aggregated,
-                                                                         openai_client_factory):
-    # A lease this short has always run out when the decode worker comes to read: every pull fails.
-    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--handoff-lease-s", "0.001")
+                                                                         openai_client_factory, handoff):
+    # A lease this short has always run out when the other side comes to read or write: every hand-off fails.
+    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--handoff-lease-s", "0.001",
+                                  "--kv-handoff", handoff)
     try:
         client = openai_client_factory(deployment)
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],

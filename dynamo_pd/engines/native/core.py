@@ -106,12 +106,13 @@ class EngineCore:
                 f"prompt plus max_tokens is {total} tokens, more than the whole KV cache ({capacity} tokens)", "prompt")
         handoff = request.handoff
         if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
-            if request.first_token_id is None:
-                raise InvalidRequestError("a hand-off needs the first_token_id the prefill sampled", "first_token_id")
+            if request.first_token_id is None and handoff.mode == "pull":
+                raise InvalidRequestError("a pull hand-off needs the first_token_id the prefill sampled",
+                                          "first_token_id")
             if handoff.num_tokens != len(prompt):
                 raise InvalidRequestError(
                     f"handoff holds {handoff.num_tokens} tokens of KV but the prompt has {len(prompt)}", "handoff")
-            if not 0 <= request.first_token_id < vocab:
+            if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
                 raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
                                           "first_token_id")
 
@@ -211,13 +212,17 @@ class EngineCore:
         loads, self.scheduler.new_loads = self.scheduler.new_loads, []
         return loads
 
-    def finish_load(self, request_id: str) -> EngineOutput | None:
-        """The kv_loader filled the blocks: decode starts, and the first token streams out."""
+    def finish_load(self, request_id: str, first_token_id: int | None = None) -> EngineOutput | None:
+        """The kv_loader filled the blocks: decode starts, and the first token streams out (the one
+        that came with the KV, else the request's)."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.LOADING:
             return None
+        token = seq.request.first_token_id if first_token_id is None else first_token_id
+        if token is None or not 0 <= token < self.model_config.vocab_size:
+            return self.end_request(request_id, "error", f"hand-off of {request_id!r} gave no valid first token")
         self.scheduler.loaded(seq)
-        return self._append(seq, seq.request.first_token_id, None)
+        return self._append(seq, token, None)
 
     def release_handoff(self, request_id: str) -> bool:
         held = self.held.pop(request_id, None)

@@ -168,13 +168,14 @@ class NativeEngine(Engine):
     async def _load(self, request: EngineRequest, order: _LoadOrder) -> None:
         rid = request.request_id
         try:
-            await asyncio.wait_for(self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
-                                   timeout=self.config.handoff_lease_s)
+            first_token_id = await asyncio.wait_for(
+                self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
+                timeout=self.config.handoff_lease_s)
         except Exception as exc:  # noqa: BLE001 - any loader failure ends this request, not the engine
             message = f"KV load for {rid!r} failed: {exc!r}"
             self._commands.put(lambda: self._end_request(rid, "error", message))
             return
-        self._commands.put(lambda: self._emit(self._core.finish_load(rid)))
+        self._commands.put(lambda: self._emit(self._core.finish_load(rid, first_token_id)))
 
     async def _call(self, fn: Callable, *args: Any) -> Any:
         """Run `fn(*args)` on the step thread and return its result."""

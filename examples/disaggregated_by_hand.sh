@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One deployment started process by process, as across machines: etcd discovery, NATS events,
+# NIXL KV transfer, two prefill workers pushing KV SGLang-style and one decode worker.
+# Needs etcd and nats-server on 127.0.0.1 (tests/servers.py shows how the tests start them).
+set -euo pipefail
+ETCD=${ETCD:-etcd://127.0.0.1:2379}
+NATS=${NATS:-nats://127.0.0.1:4222}
+PORT=${PORT:-8000}
+NAMESPACE=${NAMESPACE:-dynamo_pd}
+common=(--discovery "$ETCD" --events "$NATS" --namespace "$NAMESPACE")
+trap 'kill $(jobs -p) 2>/dev/null; wait' INT TERM EXIT
+python -m dynamo_pd.frontend --port "$PORT" "${common[@]}" &
+for i in 0 1; do
+  python -m dynamo_pd.prefill "${common[@]}" --kv-transport nixl --kv-handoff push --worker-id "prefill-$i" &
+done
+python -m dynamo_pd.decode "${common[@]}" --kv-transport nixl --worker-id decode-0 &
+python - "$PORT" <<'PY'
+import sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/ready"
+for _ in range(300):
+    try:
+        urllib.request.urlopen(url, timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+else:
+    sys.exit(f"not ready after 300 s: {url}")
+PY
+echo "ready: http://127.0.0.1:$PORT/v1 (Ctrl-C stops everything)"
+wait
