@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.metrics import Metrics
+from dynamo_pd.runtime.errors import RpcError
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
@@ -199,6 +200,9 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
         except OverloadedError as exc:
             metrics.requests.labels(kind, "503").inc()
             raise HTTPError(503, str(exc), "overloaded_error", code="overloaded") from exc
+        except RpcError as exc:  # the worker died or went silent before the first token: retryable
+            metrics.requests.labels(kind, "503").inc()
+            raise HTTPError(503, f"worker failed: {exc}", "service_unavailable", code="worker_unavailable") from exc
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             sse = _sse(kind, request.request_id, backend, _chain(first, stream), include_usage, metrics)

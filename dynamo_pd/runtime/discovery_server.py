@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from dynamo_pd.runtime.zmq_send import send_now
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,6 @@ class DiscoveryServer:
         self._watches: dict[tuple[bytes, int], str] = {}  # (peer, watch id) -> prefix
         self._last_seen: dict[bytes, float] = {}  # peer -> when it last sent anything
         self._sock: zmq.asyncio.Socket | None = None
-        self._out: zmq.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ClientMsg)
@@ -131,7 +131,6 @@ class DiscoveryServer:
             sock.close()
             raise OSError(f"discovery server cannot bind {self._endpoint!r}: {exc}") from exc
         self._sock = sock
-        self._out = zmq.Socket.shadow(sock.underlying)
         self.url = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._tasks = [asyncio.create_task(self._serve(), name="discovery-serve"),
                        asyncio.create_task(self._expire(), name="discovery-expire")]
@@ -230,8 +229,8 @@ class DiscoveryServer:
                 self._send(peer, change)
 
     def _send(self, peer: bytes, msg: Reply | Change) -> None:
-        # A ROUTER send never blocks (it drops for a full or gone peer), so a plain send keeps order.
-        self._out.send_multipart([peer, self._encoder.encode(msg)])
+        # A ROUTER send never blocks (it drops for a full or gone peer), so sending at once keeps order.
+        send_now(self._sock, [peer, self._encoder.encode(msg)])
 
     async def _expire(self) -> None:
         while True:

@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.runtime import rpc_wire as wire
+from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,
     RemoteError,
@@ -58,7 +59,6 @@ class _Connection:
         self._sock.sndhwm = self._sock.rcvhwm = 100_000
         self._sock.heartbeat_ivl = max(100, int(heartbeat_timeout_s * 1000 / 3))
         self._sock.heartbeat_timeout = int(heartbeat_timeout_s * 1000)
-        self._out = zmq.Socket.shadow(self._sock.underlying)  # sends never wait: DEALER queues them
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.connected = asyncio.Event()
         self.gone: WorkerGoneError | None = None
@@ -89,7 +89,7 @@ class _Connection:
 
     def _send(self, frames: list[bytes]) -> None:
         try:
-            self._out.send_multipart(frames, flags=zmq.NOBLOCK)
+            send_now(self._sock, frames)  # never waits: DEALER queues up to the HWM
         except zmq.ZMQError as exc:  # EAGAIN: 100k messages queued, the worker is not reading
             self.fail(WorkerGoneError(f"worker {self.endpoint} is not accepting messages: {exc}"))
             raise self.gone from exc

@@ -222,6 +222,26 @@ def test_killing_the_prefill_worker_mid_request_falls_back_to_local_prefill(tmp_
     assert codes["frontend"] == 0 and codes["decode-0"] == 0, codes
 
 
+def test_an_aggregated_worker_killed_before_its_first_token_gives_a_clear_503(tmp_path):
+    deployment = start_deployment(tmp_path, "--aggregated", "1")
+    try:
+        prompt = "Summarise this. " + " ".join(f"item{i}" for i in range(1500))
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(answer=deployment.post(
+            "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})))
+        thread.start()
+        deployment.wait_for(lambda: deployment.metric("dynamo_pd_queued_requests") == 1, 20, "request in prefill")
+        deployment.procs["aggregated-0"].kill()
+        thread.join(30)
+        assert not thread.is_alive(), "the request hung after its worker died"
+        status, body = result["answer"]
+        assert status == 503 and body["error"]["code"] == "worker_unavailable", body
+    finally:
+        codes = deployment.stop()
+    assert codes["frontend"] == 0, codes
+    assert "Traceback" not in (tmp_path / "frontend.log").read_text()
+
+
 def test_a_killed_worker_leaves_the_pool_through_its_etcd_lease(tmp_path, etcd_url, nats_url):
     deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--etcd", etcd_url, "--nats", nats_url)
     try:

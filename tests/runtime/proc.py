@@ -2,6 +2,7 @@
 
     proc.py register DISCOVERY_URL WORKER_ID   registers a worker, prints READY, waits
     proc.py rpc_server                         serves a stream of b"tick" forever, prints READY ENDPOINT
+    proc.py echo_server                        streams each payload back three times, prints READY ENDPOINT
     proc.py rpc_client ENDPOINT                streams 100k bytes, prints READY after the first chunk
 """
 
@@ -39,6 +40,18 @@ async def rpc_server() -> None:
         await asyncio.sleep(3600)
 
 
+async def echo_thrice(payload: bytes, context: RequestContext):
+    for _ in range(3):
+        yield payload
+        await asyncio.sleep(0)
+
+
+async def echo_server() -> None:
+    async with RpcServer(echo_thrice) as server:
+        print("READY", server.endpoint, flush=True)
+        await asyncio.sleep(3600)
+
+
 async def rpc_client(endpoint: str) -> None:
     client = RpcClient()
     async for _ in client.stream(endpoint, b"x" * 100_000, RequestContext("from-subprocess")):
@@ -46,7 +59,7 @@ async def rpc_client(endpoint: str) -> None:
         await asyncio.sleep(3600)  # holds the stream open until killed
 
 
-ROLES = {"register": register, "rpc_server": rpc_server, "rpc_client": rpc_client}
+ROLES = {"register": register, "rpc_server": rpc_server, "echo_server": echo_server, "rpc_client": rpc_client}
 
 if __name__ == "__main__":
     uvloop.run(ROLES[sys.argv[1]](*sys.argv[2:]))

@@ -146,6 +146,23 @@ async def test_no_worker_listening_is_worker_gone():
     await client.close()
 
 
+async def test_replies_racing_new_requests_are_never_lost(procs):
+    """Regression: requests once went out through a sync shadow of the client's socket, and such a
+    send could swallow the edge-triggered wake-up of the pending receive; a reply arriving then was
+    never read, and every later stream on that connection timed out."""
+    endpoint = await procs.ready(procs.start("echo_server"))
+    client = RpcClient(first_response_timeout_s=5)
+
+    async def one(i: int) -> bytes:
+        await asyncio.sleep(i % 7 * 0.0003)  # spread the opens over the replies to earlier ones
+        return b"".join([c async for c in client.stream(endpoint, b"%d," % i, RequestContext(f"r{i}"))])
+
+    for batch in range(100):
+        ids = range(batch * 30, batch * 30 + 30)
+        assert await asyncio.gather(*(one(i) for i in ids)) == [b"%d," % i * 3 for i in ids]
+    await client.close()
+
+
 async def test_worker_killed_mid_stream_is_worker_gone(procs):
     proc = procs.start("rpc_server")
     endpoint = await procs.ready(proc)
