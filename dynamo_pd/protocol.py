@@ -83,6 +83,7 @@ class KVHandoff(msgspec.Struct, kw_only=True):
     descriptor: bytes | None = None  # pull: encoded kv_transfer descriptor, set by the prefill worker
     mode: HandoffMode = "pull"
     peer_endpoint: str = ""  # push: the prefill worker's KV agent (its side channel)
+    wait_s: float = 0.0  # push: how long the prefill may take before it writes (the router's bound on it)
     engine_params: dict[str, Any] | None = None  # engine-native hand-off (vLLM kv_transfer_params, ...)
 
 

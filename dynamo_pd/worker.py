@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import tempfile
@@ -74,6 +75,10 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._closers: list = []
         self._pulled: dict[str, tuple[int, float]] = {}  # request id -> (KV bytes, seconds) of its pull
+        self._lease_s = config.engine_config.handoff_lease_s
+        self._transfer = TransferConfig(config.kv_transport, lease_s=self._lease_s)
+        # A hold ends by its lease, or later by one transfer the agent pinned it for (both sides' timeouts).
+        self._hold_limit_s = self._lease_s + 2 * self._transfer.timeout_s
 
     @property
     def role(self) -> EngineRole:
@@ -89,13 +94,15 @@ class Worker:
             cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
             cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"tcp://{cfg.host}:{free_port(cfg.host)}")
         loader = self._load_kv if self.role is EngineRole.DECODE and cfg.engine == "native" else None
-        self.engine = engine = create_engine(cfg.engine, cfg.engine_config, **({"kv_loader": loader} if loader else {}))
+        # The agent frees hand-off blocks in the engine; the engine's own lease is only the backstop for
+        # a release that never comes, so it must outlast every transfer the agent still allows.
+        engine_config = dataclasses.replace(cfg.engine_config, handoff_lease_s=self._hold_limit_s + 5)
+        self.engine = engine = create_engine(cfg.engine, engine_config, **({"kv_loader": loader} if loader else {}))
         await engine.start()
         self._closers.append(engine.stop)
         model_name = cfg.engine_config.model or DEFAULT_MODEL
         if cfg.engine == "native":
-            self.agent = KVTransferAgent(self.worker_id, KVMemory.native(engine.kv_cache, model_name),
-                                         TransferConfig(cfg.kv_transport, lease_s=cfg.engine_config.handoff_lease_s))
+            self.agent = KVTransferAgent(self.worker_id, KVMemory.native(engine.kv_cache, model_name), self._transfer)
             await self.agent.start()
             self._closers.insert(0, self.agent.close)
         info = WorkerInfo(
@@ -187,7 +194,7 @@ class Worker:
                     out.kv_transfer_bytes, out.kv_transfer_s = pulled
                 yield _encoder.encode(out)
             if released is not None:
-                await asyncio.wait_for(released.wait(), self.config.engine_config.handoff_lease_s + 5)
+                await asyncio.wait_for(released.wait(), self._hold_limit_s + 5)
             if pushing is not None:
                 await pushing  # bounded: the rendezvous by the lease, the push by the agent's timeout
         finally:
@@ -221,7 +228,7 @@ class Worker:
         side reserved for this request id; the engine's blocks are freed whatever happens."""
         rid = out.request_id
         try:
-            target = await self.agent.wait_push_target(rid, self.config.engine_config.handoff_lease_s)
+            target = await self.agent.wait_push_target(rid, self._lease_s)
             # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
             payload = _encoder.encode((out.token_ids[0], time.time()))
             await self.agent.push(target, out.handoff.block_ids, payload=payload)
@@ -252,16 +259,16 @@ class Worker:
 
         blocks = local_block_ids[cached_blocks:]
         target = self.agent.hold(rid, blocks, handoff.num_tokens, on_release, block_offset=cached_blocks,
-                                 writable=True)
+                                 writable=True, lease_s=handoff.wait_s + self._lease_s)
         try:
             await self.agent.reserve(handoff.peer_endpoint, target)
             reason, payload = await ended
         finally:
-            # A push in flight keeps writing these blocks until its Finish: wait for it (bounded)
-            # before the engine may free them.
+            # A push in flight keeps writing these blocks until its Finish: wait for it (as long as the
+            # agent lets a pinned transfer run) before the engine may free them.
             if self.agent.release(rid) and not ended.done():
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(ended), self.agent.config.timeout_s)
+                    await asyncio.wait_for(asyncio.shield(ended), 2 * self._transfer.timeout_s)
         if reason is not ReleaseReason.DONE:
             raise TransferError(f"push of {rid!r} from {handoff.worker_id or 'the prefill worker'} ended: "
                                 f"{reason.value}")

@@ -78,6 +78,7 @@ class KVTransferAgent:
         self._server: SideChannelServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._push_targets: dict[str, asyncio.Future] = {}  # push mode: request id -> Reserve's target
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # push mode: rooms the prefill stopped waiting on
 
     @property
     def endpoint(self) -> str:
@@ -198,6 +199,8 @@ class KVTransferAgent:
         if isinstance(request, GetMetadata):
             return Reply(True, payload=self.transport.metadata())
         if isinstance(request, Reserve):
+            if request.request_id in self._abandoned:  # tell the decode side now, not when its lease ends
+                return Reply(False, "expired", f"{self.engine_id} stopped waiting to push {request.request_id!r}")
             target = self._push_target(request.request_id)
             if target.done():
                 return Reply(False, "bad_request", f"blocks for {request.request_id!r} were already reserved")
@@ -299,6 +302,10 @@ class KVTransferAgent:
             raise PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s") from None
         finally:
             self._push_targets.pop(request_id, None)
+            if not target.done():  # timed out or cancelled: a late Reserve is refused at once
+                self._abandoned[request_id] = None
+                while len(self._abandoned) > _ENDED_MEMORY:
+                    self._abandoned.popitem(last=False)
 
     async def _transfer(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool,
                         payload: bytes = b"") -> int:

@@ -161,12 +161,13 @@ class RemoteBackend:
             self.router.mark_finished(rid)
 
     async def _stream(self, worker_id: str, request: EngineRequest, context: RequestContext,
-                      pool: str) -> AsyncIterator[EngineOutput]:
+                      pool: str, first_response_timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise OverloadedError(f"worker {worker_id} left before the request reached it")
         first = True
-        async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context):
+        async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
+                                           first_response_timeout_s=first_response_timeout_s):
             out = _output_decoder.decode(chunk)
             if out.kv_transfer_bytes:
                 self.metrics.transfer_bytes.inc(out.kv_transfer_bytes)
@@ -195,10 +196,12 @@ class RemoteBackend:
                     raise OverloadedError("the chosen prefill worker left before the request reached it")
                 prefill_stream = self._stream(prefill.worker_id, request, prefill_context, "prefill")
                 if prefill.kv_handoff == "push":  # the decode worker reserves blocks while the prefill runs
+                    wait_s = self.rpc.first_response_timeout_s  # as long as this router waits for the prefill
                     decode_stream = self._stream(decode.worker_id, msgspec.structs.replace(request, handoff=KVHandoff(
                         request_id=request.request_id, block_ids=[], num_tokens=len(request.prompt_token_ids),
                         block_size=prefill.block_size, worker_id=prefill.worker_id, mode="push",
-                        peer_endpoint=prefill.kv_endpoint)), context, "decode")
+                        peer_endpoint=prefill.kv_endpoint, wait_s=wait_s)), context, "decode",
+                        first_response_timeout_s=wait_s + self.rpc.first_response_timeout_s)
                     decode_started = asyncio.ensure_future(anext(decode_stream))
                 first = await anext(prefill_stream)
                 if first.handoff is None:

@@ -82,7 +82,9 @@ class Deployment:
 
 
 def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = None,
-                     timeout_s: float = 180.0) -> Deployment:
+                     timeout_s: float = 180.0, worker_args: dict[str, list[str]] | None = None) -> Deployment:
+    """`args` go to the launcher; `worker_args` add flags to single workers (by worker id; a later
+    flag overrides the launcher's)."""
     port = free_port()
     namespace = f"test-{uuid.uuid4().hex[:8]}"  # deployments sharing one etcd / NATS stay apart
     options, engine_argv = parse_args(["--port", str(port), "--discovery-port", str(free_port()),
@@ -92,6 +94,7 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
     deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path)
     for command in commands:
         name = command[command.index("--worker-id") + 1] if "--worker-id" in command else "frontend"
+        command = command + (worker_args or {}).get(name, [])
         with open(tmp_path / f"{name}.log", "wb") as log:
             deployment.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     expected = workers_expected if workers_expected is not None else len(commands) - 1

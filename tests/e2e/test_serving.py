@@ -300,12 +300,14 @@ def test_vllm_prefill_and_decode_workers_hand_off_through_vllms_own_connector(tm
     assert codes == {"frontend": 0, "prefill-0": 0, "decode-0": 0}, codes
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("handoff", ["pull", "push"])
 def test_a_failed_kv_transfer_falls_back_to_prefill_on_the_decode_worker(tmp_path, aggregated,
                                                                          openai_client_factory, handoff):
-    # A lease this short has always run out when the other side comes to read or write: every hand-off fails.
-    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--handoff-lease-s", "0.001",
-                                  "--kv-handoff", handoff)
+    pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    # Misconfigured transports (prefill ZMQ, decode NIXL): every hand-off fails, clearly, on both sides.
+    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--kv-handoff", handoff,
+                                  worker_args={"decode-0": ["--kv-transport", "nixl"]})
     try:
         client = openai_client_factory(deployment)
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
@@ -320,6 +322,8 @@ def test_a_failed_kv_transfer_falls_back_to_prefill_on_the_decode_worker(tmp_pat
         assert chunks[-1].usage.prompt_tokens == reference.usage.prompt_tokens
         assert chunks[-1].usage.completion_tokens == reference.usage.completion_tokens
         assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="transfer_failed") >= 1
+        logs = "".join((tmp_path / f"{name}.log").read_text() for name in ("frontend", "prefill-0"))
+        assert "descriptor uses" in logs, "the mismatch is named"
         workers = ("prefill-0", "decode-0")
         deployment.wait_for(lambda: all(
             deployment.metric("dynamo_pd_worker_free_blocks", worker=w)

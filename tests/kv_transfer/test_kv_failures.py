@@ -177,13 +177,18 @@ async def test_cancel_during_transfer_waits_for_the_peer_then_refuses():
 
 
 async def test_push_rendezvous_failures_are_named_and_free_the_reserved_blocks():
-    """No Reserve in time, a second Reserve for the same room, a push that cannot fit: each is a
-    clear error, and the decode side's reserved blocks are released (ERROR) when the push fails."""
+    """No Reserve in time (and a late one refused), a second Reserve for the same room, a push that
+    cannot fit: each is a clear error, and the decode side's reserved blocks are released (ERROR)
+    when the push fails."""
     p, d = inproc_pair(decode_layout=make_layout("native", 16))
     calls = []
     async with p, d:
         with pytest.raises(PeerLostError, match="no decode side reserved blocks for 'late'"):
             await p.wait_push_target("late", timeout_s=0.05)
+        late = d.hold("late", [7], 10, lambda *a: None, writable=True)
+        with pytest.raises(LeaseExpiredError, match="stopped waiting to push 'late'"):
+            await d.reserve(p.endpoint, late)  # refused at once, so the decode side need not wait out its lease
+        d.release("late")
         target = d.hold("room", [5, 6], 20, lambda rid, why, payload: calls.append((why.value, payload)),
                         writable=True)
         await d.reserve(p.endpoint, target)

@@ -170,7 +170,7 @@ class NativeEngine(Engine):
         try:
             first_token_id = await asyncio.wait_for(
                 self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
-                timeout=self.config.handoff_lease_s)
+                timeout=self.config.handoff_lease_s + request.handoff.wait_s)
         except Exception as exc:  # noqa: BLE001 - any loader failure ends this request, not the engine
             message = f"KV load for {rid!r} failed: {exc!r}"
             self._commands.put(lambda: self._end_request(rid, "error", message))
