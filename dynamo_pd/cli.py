@@ -29,6 +29,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--handoff-lease-s", type=float, default=30.0, help="prefill: how long held KV waits for decode")
 
 
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """How workers hand KV to each other (the launcher passes these to every worker)."""
+    parser.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"])
+    parser.add_argument("--kv-handoff", default="pull", choices=["pull", "push"],
+                        help="prefill workers: decode reads the held KV (pull) or prefill writes it into blocks "
+                             "decode reserved, SGLang style (push); decode workers follow each request's mode")
+
+
 NAMESPACE_HELP = "deployment name: keys in discovery and event subjects live under it (default dynamo_pd)"
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, check_namespace, engine_config
+from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.model_store import resolve_model
 
@@ -38,10 +38,7 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=None, help="etcd://HOST:PORT for discovery instead of the embedded one")
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--nats", default=None, help="nats://HOST:PORT for the event plane instead of ZMQ")
-    p.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"])
-    p.add_argument("--kv-handoff", default="pull", choices=["pull", "push"],
-                   help="decode reads the prefill's held KV (pull) or prefill writes it into blocks decode "
-                        "reserved, SGLang style (push)")
+    add_kv_args(p)
     p.add_argument("--api-key", default=None, help="require this Bearer key on the HTTP API")
     return p
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, check_namespace, engine_config
+from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext, create_engine
 from dynamo_pd.model_store import DEFAULT_MODEL
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
@@ -296,10 +296,7 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
                         help="tcp://HOST:PORT of the frontend's embedded discovery, or etcd://HOST:PORT")
     parser.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     parser.add_argument("--events", default=None, help="nats://HOST:PORT to carry events over NATS (default: ZMQ)")
-    parser.add_argument("--kv-transport", default="zmq", choices=["zmq", "nixl"])
-    parser.add_argument("--kv-handoff", default="pull", choices=["pull", "push"],
-                        help="prefill: decode reads the held KV (pull) or prefill writes it into blocks decode "
-                             "reserved, SGLang style (push); decode workers follow each request's mode")
+    add_kv_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address this worker binds (default 127.0.0.1)")
     parser.add_argument("--worker-id", default="")
     add_engine_args(parser)
