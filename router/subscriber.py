@@ -3,7 +3,10 @@
 ZmqEventSubscriber reads [topic, seq, payload] from a worker's PUB endpoint (vLLM, the native
 engine through router.publisher, any vLLM-compatible engine). With a replay endpoint it first
 fetches what was published before it joined. When a batch is missing (a gap in seq) it asks the
-replay endpoint for everything from the first missing seq; if there is no replay endpoint, the
+replay endpoint for everything from the first missing seq. A gap shows only when a later batch
+arrives, so a stream quiet for a second also asks the replay endpoint: batches published while the
+subscription was still forming (ZMQ's slow joiner) or the last batch of a burst lost on the way
+are found then, not at the next event. If there is no replay endpoint, the
 replay times out, or the worker's buffer no longer reaches back far enough, the worker's state is
 dropped and rebuilt from the events that follow (EventIngestor.reset_worker). Either way the
 indexer never keeps state that may have diverged from the engine's.
@@ -30,6 +33,8 @@ from router.indexer import WorkerId
 from router.publisher import END_SEQ
 
 log = logging.getLogger(__name__)
+
+_QUIET_CATCH_UP_S = 1.0  # a ZMQ stream silent this long checks the replay buffer for missed batches
 
 
 class EventSubscriber:
@@ -128,6 +133,9 @@ class ZmqEventSubscriber(EventSubscriber):
         if self.replay_endpoint is not None:  # a late joiner first fetches what it missed
             await self._catch_up(self.ingestor.expected_seq(self.worker_id) or 0)
         while True:
+            if self.replay_endpoint is not None and not await self._sub.poll(_QUIET_CATCH_UP_S * 1000):
+                await self._catch_up(self.ingestor.expected_seq(self.worker_id) or 0)
+                continue
             frames = await self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 log.warning(

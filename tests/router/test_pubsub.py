@@ -127,6 +127,21 @@ async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, reco
         await router.close()
 
 
+async def test_the_last_batch_of_a_burst_lost_on_the_way_is_found_once_the_stream_is_quiet():
+    """No later batch reveals the gap, so the quiet stream itself asks the replay buffer."""
+    with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0") as pub:
+        link = LossyLink(pub.endpoint, drop={2})
+        router = new_router()
+        pub.publish(stored(0))
+        await connected(router, pub, link, pub.replay_endpoint)
+        pub.publish(stored(1))
+        pub.publish(stored(2))  # seq 2, the last one, never arrives live
+        await eventually(lambda: matches(router, 2) == {"w": 4})
+        assert matches(router, 1) == {"w": 4} and router.ingestor.stats.resets == 0
+        await link.close()
+        await router.close()
+
+
 async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
     with ZmqEventPublisher() as pub:
         link = LossyLink(pub.endpoint, drop={2})
