@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from router.indexer import WorkerId
 from router.load import LoadTracker
+from router.nats_subscribe import subscribe_live
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,7 @@ class NatsReplicaSync(ReplicaSync):
         async def on_message(msg) -> None:
             self.apply(msg.data)
 
-        await self._nc.subscribe(self.subject, cb=on_message)
-        await self._nc.flush(timeout=self.connect_timeout)
+        await subscribe_live(self._nc, [self.subject], on_message, self.connect_timeout)
 
     def _send(self, data: bytes) -> None:
         asyncio.get_running_loop().create_task(self._nc.publish(self.subject, data))

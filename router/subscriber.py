@@ -30,6 +30,7 @@ import zmq.asyncio
 from router.events import EventDecodeError
 from router.ingest import Delivery, EventIngestor
 from router.indexer import WorkerId
+from router.nats_subscribe import subscribe_live
 from router.publisher import END_SEQ
 
 log = logging.getLogger(__name__)
@@ -212,8 +213,7 @@ class NatsEventSubscriber(EventSubscriber):
         self._nc = await nats.connect(
             self.servers, connect_timeout=self.connect_timeout, max_reconnect_attempts=-1
         )
-        await self._nc.subscribe(self.subject, cb=self._queue.put)
-        await self._nc.flush(timeout=self.connect_timeout)
+        await subscribe_live(self._nc, [self.subject], self._queue.put, self.connect_timeout)
 
     async def _close(self) -> None:
         if self._nc is not None:

@@ -8,6 +8,7 @@ import nats
 import nats.errors
 
 from dynamo_pd.runtime.errors import EventPlaneError
+from router.nats_subscribe import subscribe_live
 from dynamo_pd.runtime.events import EventPlane, Subscription, check_subject
 
 
@@ -41,7 +42,8 @@ class NatsEventPlane(EventPlane):
         nats_subs = []
 
         async def on_message(msg) -> None:
-            sub.deliver(msg.subject, msg.data)
+            if not msg.subject.startswith("_INBOX."):  # NATS request plumbing (subscribe probes), not events
+                sub.deliver(msg.subject, msg.data)
 
         async def close() -> None:
             for nats_sub in nats_subs:
@@ -53,9 +55,7 @@ class NatsEventPlane(EventPlane):
 
         sub = Subscription(subject_prefix, close)
         try:
-            for subject in subjects:
-                nats_subs.append(await self._client.subscribe(subject, cb=on_message))
-            await self._client.flush(timeout=self._timeout_s)  # the server knows the subscription now
+            nats_subs.extend(await subscribe_live(self._client, subjects, on_message, self._timeout_s))
         except (asyncio.TimeoutError, nats.errors.Error) as exc:
             await close()
             raise EventPlaneError(f"subscribe to {subject_prefix!r} on {self.url} failed: {exc!r}") from exc
