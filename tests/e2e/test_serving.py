@@ -79,12 +79,18 @@ def test_openai_client_streams_1p1d_with_the_same_greedy_text_as_aggregated(aggr
     assert disagg.metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") in (None, 0.0)
 
 
+def indexed_prefill_blocks(deployment) -> float:
+    return sum(deployment.metric("dynamo_pd_router_indexed_blocks", worker=w) or 0 for w in ("prefill-0", "prefill-1"))
+
+
 def test_a_shared_prefix_goes_to_the_prefill_worker_that_holds_it(disagg, openai_client_factory):
     client = openai_client_factory(disagg)
     for topic in ("rivers", "mountains", "deserts", "forests"):
         prefix = f"Here is a long document about {topic}. " + " ".join(f"{topic}-{i}" for i in range(120))
+        before = indexed_prefill_blocks(disagg)
         first = client.completions.create(model=MODEL, prompt=prefix, max_tokens=1, temperature=0)
-        time.sleep(0.3)  # the KV events of the first request reach the router
+        disagg.wait_for(lambda: indexed_prefill_blocks(disagg) >= before + first.usage.prompt_tokens // 16 - 1,
+                        20, "the KV events of the first request reached the router")
         second = client.completions.create(model=MODEL, prompt=prefix + " And one more line.", max_tokens=1,
                                            temperature=0)
         cached = second.usage.prompt_tokens_details.cached_tokens

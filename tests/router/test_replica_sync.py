@@ -23,6 +23,16 @@ async def eventually(predicate, timeout=5.0):
     raise AssertionError("condition not reached")
 
 
+async def linked(sender, receiver):
+    """ZMQ drops what a PUB sends before the peer's subscription forms: probe until one arrives."""
+    for _ in range(200):
+        sender.publish("finish", "probe")  # finishing an unknown request changes no load
+        await asyncio.sleep(0.05)
+        if receiver.applied:
+            return
+    raise AssertionError(f"no update from {sender.router_id} reached {receiver.router_id}")
+
+
 async def check_shared_load(a: KvRouter, b: KvRouter):
     first = a.route("prefill", "r1", PROMPT)
     await eventually(lambda: b.load.load(first.worker_id).requests == 1)
@@ -46,7 +56,8 @@ async def test_replicas_over_zmq():
     await sync_b.start()
     a.attach_replica_sync(sync_a)
     b.attach_replica_sync(sync_b)
-    await asyncio.sleep(0.3)  # PUB/SUB subscriptions settle
+    await linked(sync_a, sync_b)
+    await linked(sync_b, sync_a)
     try:
         await check_shared_load(a, b)
         sync_a.apply(b"garbage")  # ignored with a warning
