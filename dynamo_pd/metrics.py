@@ -32,6 +32,8 @@ class Metrics:
                                     ["worker"], registry=r)
         self.indexed_blocks = Gauge("dynamo_pd_router_indexed_blocks", "KV blocks the router's indexer holds",
                                     ["worker"], registry=r)
+        self.replica_updates = Gauge("dynamo_pd_router_replica_updates",
+                                     "Load updates applied from other frontends' routers, since start", registry=r)
         self.fallbacks = Counter(
             "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
         )

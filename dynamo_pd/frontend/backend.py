@@ -30,6 +30,7 @@ from typing import Any, Literal
 import msgspec
 
 from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, OverloadedError, Usage, WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RpcClient, RpcError
@@ -64,13 +65,17 @@ class RemoteBackend:
         self._load_subject = f"{namespace}.load"
         self.workers: dict[str, WorkerInfo] = {}
         self.rpc = RpcClient()
+        self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        await self.replicas.start()
+        self.router.attach_replica_sync(self.replicas)
         self._tasks = [asyncio.create_task(self._watch_workers()), asyncio.create_task(self._follow_load())]
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
+        await self.replicas.stop()
         await self.router.close()
         await self.rpc.close()
 
@@ -88,6 +93,7 @@ class RemoteBackend:
     def refresh_metrics(self) -> None:
         for worker_id in self.workers:
             self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexer.blocks_of(worker_id))
+        self.metrics.replica_updates.set(self.replicas.applied)
 
     # ---- membership
 

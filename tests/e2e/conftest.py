@@ -27,6 +27,7 @@ class Deployment:
     url: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # "frontend", worker ids
     logs: Path | None = None
+    namespace: str = ""
 
     def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(self.url + path, headers=headers or {})
@@ -91,7 +92,7 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
                                        "--namespace", namespace, *args])
     _, commands = plan(options, engine_argv)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path)
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path, namespace=namespace)
     for command in commands:
         name = command[command.index("--worker-id") + 1] if "--worker-id" in command else "frontend"
         command = command + (worker_args or {}).get(name, [])
@@ -99,14 +100,14 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
             deployment.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     expected = workers_expected if workers_expected is not None else len(commands) - 1
     try:
-        deployment.wait_for(lambda: _workers_registered(deployment) >= expected, timeout_s, "workers registered")
+        deployment.wait_for(lambda: workers_registered(deployment) >= expected, timeout_s, "workers registered")
     except BaseException:
         deployment.stop()
         raise
     return deployment
 
 
-def _workers_registered(deployment: Deployment) -> int:
+def workers_registered(deployment: Deployment) -> int:
     for name, proc in deployment.procs.items():
         if proc.poll() is not None:
             log = (deployment.logs / f"{name}.log").read_text()[-3000:]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from tests.e2e.conftest import MODEL, Deployment, start_deployment
+from tests.e2e.conftest import MODEL, Deployment, start_deployment, workers_registered
 
 pytestmark = pytest.mark.slow
 API_KEY = "test-key"
@@ -246,6 +246,28 @@ def test_an_aggregated_worker_killed_before_its_first_token_gives_a_clear_503(tm
         codes = deployment.stop()
     assert codes["frontend"] == 0, codes
     assert "Traceback" not in (tmp_path / "frontend.log").read_text()
+
+
+def test_two_frontends_on_one_namespace_share_their_routers_load(tmp_path, etcd_url):
+    """Frontends behind a load balancer: each one's placements reach the other's router."""
+    deployment = start_deployment(tmp_path, "--aggregated", "1", "--etcd", etcd_url)
+    port = free_port()
+    with open(tmp_path / "frontend-b.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), "--discovery",
+                                 etcd_url, "--namespace", deployment.namespace], stdout=log, stderr=subprocess.STDOUT)
+    second = Deployment(url=f"http://127.0.0.1:{port}", procs={"frontend-b": proc}, logs=tmp_path)
+    try:
+        second.wait_for(lambda: workers_registered(second) == 1, 120, "the second frontend found the worker")
+        for sender, receiver in ((deployment, second), (second, deployment)):
+            def shared() -> bool:  # ZMQ drops updates sent before the receiver's subscription forms
+                status, _ = sender.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                assert status == 200
+                return (receiver.metric("dynamo_pd_router_replica_updates") or 0) >= 2  # placed, finished
+            receiver.wait_for(shared, 60, "load updates shared between the frontends")
+    finally:
+        codes = second.stop() | deployment.stop()
+    assert codes == {"frontend-b": 0, "frontend": 0, "aggregated-0": 0}, codes
+    assert "Traceback" not in (tmp_path / "frontend-b.log").read_text()
 
 
 def test_a_killed_worker_leaves_the_pool_through_its_etcd_lease(tmp_path, etcd_url, nats_url):

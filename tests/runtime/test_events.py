@@ -10,37 +10,7 @@ from dynamo_pd.runtime.discovery import connect_discovery
 from dynamo_pd.runtime.discovery_server import DiscoveryServer
 from dynamo_pd.runtime.errors import EventPlaneError
 from dynamo_pd.runtime.events import connect_event_plane
-
 from tests.servers import free_port
-
-
-@pytest.fixture(params=["zmq", pytest.param("nats", marks=pytest.mark.nats)])
-async def new_plane(request):
-    """A factory of event planes, each as a separate process would have it (own discovery client)."""
-    planes, discoveries = [], []
-    server = None
-    if request.param == "nats":
-        url = request.getfixturevalue("nats_url")
-
-        async def make():
-            planes.append(await connect_event_plane(url))
-            return planes[-1]
-    else:
-        server = DiscoveryServer()
-        await server.start()
-
-        async def make():
-            discoveries.append(await connect_discovery(server.url, ttl_s=2.0, keepalive_s=0.5))
-            planes.append(await connect_event_plane(None, discoveries[-1]))
-            return planes[-1]
-
-    yield make
-    for plane in planes:
-        await plane.close()
-    for discovery in discoveries:
-        await discovery.close()
-    if server is not None:
-        await server.close()
 
 
 async def publish_until_received(subs, publish, want, timeout_s: float = 10.0):
