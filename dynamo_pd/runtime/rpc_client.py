@@ -8,7 +8,7 @@
 
 Every way out is bounded and typed:
   - the handler raised                            -> RemoteError(error_type, message)
-  - no connection within `connect_timeout_s`, or the connection dropped (the worker died: ZMQ
+  - the connection was refused, none within `connect_timeout_s`, or it dropped (the worker died: ZMQ
     heartbeats, answered by ZMQ's I/O thread so a busy worker loop is no false alarm, notice a
     silent peer within `heartbeat_timeout_s`)  -> WorkerGoneError
   - nothing within `first_response_timeout_s`      -> FirstResponseTimeoutError (the stream is cancelled)
@@ -59,8 +59,10 @@ class _Connection:
         self._sock.sndhwm = self._sock.rcvhwm = 100_000
         self._sock.heartbeat_ivl = max(100, int(heartbeat_timeout_s * 1000 / 3))
         self._sock.heartbeat_timeout = int(heartbeat_timeout_s * 1000)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.connected = asyncio.Event()
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.connected = False
+        self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
         self._streams: dict[int, asyncio.Queue] = {}
         self._ids = itertools.count(1)
@@ -116,9 +118,14 @@ class _Connection:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected.set()
+                self.connected = True
+                self.settled.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.fail(WorkerGoneError(f"connection to worker {self.endpoint} dropped"))
+                return
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.connected:
+                # refused: nothing listens there (workers register only once bound), so do not wait
+                self.fail(WorkerGoneError(f"worker {self.endpoint} refused the connection"))
                 return
 
     async def _ping(self) -> None:
@@ -133,6 +140,7 @@ class _Connection:
         if self.gone is not None:
             return
         self.gone = error
+        self.settled.set()
         for queue in self._streams.values():
             queue.put_nowait(WorkerGoneError(*error.args))  # one instance per stream: tracebacks stay apart
         self._streams.clear()
@@ -163,9 +171,9 @@ class RpcClient:
         if conn is None or conn.gone is not None:
             conn = _Connection(endpoint, self._heartbeat_timeout_s, self._ping_s)
             self._connections[endpoint] = conn
-        if not conn.connected.is_set():
+        if not conn.settled.is_set():
             try:
-                await asyncio.wait_for(conn.connected.wait(), self.connect_timeout_s)
+                await asyncio.wait_for(conn.settled.wait(), self.connect_timeout_s)
             except asyncio.TimeoutError:
                 conn.fail(WorkerGoneError(
                     f"could not connect to worker {endpoint} within {self.connect_timeout_s}s"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import signal
 
 import pytest
@@ -139,10 +140,21 @@ async def test_first_response_timeout_cancels_the_work():
         await client.close()
 
 
-async def test_no_worker_listening_is_worker_gone():
+async def test_no_worker_listening_is_worker_gone_at_once():
+    """A refused connection (the worker died; discovery still lists it) fails without waiting out
+    the connect timeout, so the caller falls back at once."""
+    client = RpcClient(connect_timeout_s=120)
+    async with asyncio.timeout(60):
+        with pytest.raises(WorkerGoneError, match="refused"):
+            await collect(client, f"tcp://127.0.0.1:{free_port()}", b"abc", "r1")
+    await client.close()
+
+
+async def test_a_peer_that_never_speaks_zmq_is_worker_gone_after_the_connect_timeout():
     client = RpcClient(connect_timeout_s=0.5)
-    with pytest.raises(WorkerGoneError, match="could not connect"):
-        await collect(client, f"tcp://127.0.0.1:{free_port()}", b"abc", "r1")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # TCP accepts, nobody answers the handshake
+        with pytest.raises(WorkerGoneError, match="could not connect"):
+            await collect(client, f"tcp://127.0.0.1:{silent.getsockname()[1]}", b"abc", "r1")
     await client.close()
 
 
