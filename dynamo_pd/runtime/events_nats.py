@@ -8,8 +8,8 @@ import nats
 import nats.errors
 
 from dynamo_pd.runtime.errors import EventPlaneError
-from router.nats_subscribe import subscribe_live
 from dynamo_pd.runtime.events import EventPlane, Subscription, check_subject
+from router.nats_subscribe import subscribe_live
 
 
 class NatsEventPlane(EventPlane):

@@ -61,7 +61,6 @@ class _Connection:
         self._sock.heartbeat_timeout = int(heartbeat_timeout_s * 1000)
         self._monitor = self._sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.connected = False
         self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
         self._streams: dict[int, asyncio.Queue] = {}
@@ -118,12 +117,11 @@ class _Connection:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.connected = True
                 self.settled.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.fail(WorkerGoneError(f"connection to worker {self.endpoint} dropped"))
                 return
-            elif event == zmq.EVENT_CONNECT_RETRIED and not self.connected:
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.settled.is_set():
                 # refused: nothing listens there (workers register only once bound), so do not wait
                 self.fail(WorkerGoneError(f"worker {self.endpoint} refused the connection"))
                 return
