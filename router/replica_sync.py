@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Literal
+from typing import Any, Coroutine, Literal
 
 import msgspec
 import zmq
@@ -48,6 +48,7 @@ class ReplicaSync:
         self.router_id = router_id
         self.applied = 0
         self._task: asyncio.Task | None = None
+        self._sends: set[asyncio.Task] = set()  # referenced until done, or the loop may drop them
 
     def publish(
         self, kind: str, key: str, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
@@ -75,7 +76,20 @@ class ReplicaSync:
             self.tracker.finish(key)
         self.applied += 1
 
+    def _send_soon(self, send: Coroutine[Any, Any, None]) -> None:
+        """Run an async publish without making the router wait; its failure is logged."""
+        task = asyncio.get_running_loop().create_task(send)
+        self._sends.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sends.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("load update of %s not shared with other replicas: %r", self.router_id, exc)
+
     async def stop(self) -> None:
+        for task in list(self._sends):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             # failures were logged where they occurred
@@ -144,7 +158,7 @@ class NatsReplicaSync(ReplicaSync):
         await subscribe_live(self._nc, [self.subject], on_message, self.connect_timeout)
 
     def _send(self, data: bytes) -> None:
-        asyncio.get_running_loop().create_task(self._nc.publish(self.subject, data))
+        self._send_soon(self._nc.publish(self.subject, data))
 
     async def _close(self) -> None:
         if self._nc is not None:

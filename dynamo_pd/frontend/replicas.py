@@ -10,14 +10,11 @@ every prediction, so an update lost on the way or a frontend that dies leaves no
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 
 from dynamo_pd.runtime import EventPlane
 from router.load import LoadTracker
 from router.replica_sync import ReplicaSync
-
-log = logging.getLogger("dynamo_pd.frontend")
 
 
 class EventPlaneReplicaSync(ReplicaSync):
@@ -25,7 +22,6 @@ class EventPlaneReplicaSync(ReplicaSync):
         super().__init__(tracker, router_id=f"frontend-{uuid.uuid4().hex[:8]}")
         self._events = events
         self.subject = f"{namespace}.router.load"
-        self._sends: set[asyncio.Task] = set()  # referenced until done, or the loop may drop them
 
     async def start(self) -> None:
         subscription = await self._events.subscribe(self.subject)
@@ -37,15 +33,4 @@ class EventPlaneReplicaSync(ReplicaSync):
                 self.apply(payload)
 
     def _send(self, data: bytes) -> None:
-        task = asyncio.get_running_loop().create_task(self._events.publish(self.subject, data))
-        self._sends.add(task)
-        task.add_done_callback(self._sent)
-
-    def _sent(self, task: asyncio.Task) -> None:
-        self._sends.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("load update not shared with other frontends: %r", exc)
-
-    async def _close(self) -> None:
-        for task in list(self._sends):
-            task.cancel()
+        self._send_soon(self._events.publish(self.subject, data))
