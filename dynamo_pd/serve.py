@@ -20,7 +20,7 @@ import time
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
 from dynamo_pd.engines.base import EngineRole
-from dynamo_pd.model_store import resolve_model
+from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
 
 _READY_TIMEOUT_S = 600.0
 _STOP_GRACE_S = 10.0
@@ -141,7 +141,10 @@ def _watch(children: list[subprocess.Popen]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, engine_argv = parse_args(argv)
-    resolve_model(args.model)  # fetch / convert once, with progress, before any worker starts
+    try:
+        resolve_model(args.model)  # fetch / convert once, with progress, before any worker starts
+    except (ModelNotFoundError, ModelFetchError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     discovery_url, commands = plan(args, engine_argv)
     env = dict(os.environ)
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
