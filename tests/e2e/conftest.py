@@ -121,7 +121,7 @@ def workers_registered(deployment: Deployment) -> int:
 
 @pytest.fixture(scope="module")
 def openai_client_factory():
-    openai = pytest.importorskip("openai")
+    import openai  # a dev dependency: its absence is a failure, not a skip
 
     def make(deployment: Deployment, api_key: str = "none"):
         return openai.OpenAI(base_url=deployment.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
