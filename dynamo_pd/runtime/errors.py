@@ -1,4 +1,9 @@
-"""Typed errors of the runtime: discovery, event plane and request plane."""
+"""Typed errors of the runtime: discovery, event plane and request plane.
+
+A worker's handler error crosses the request plane with its kind: the client's fault
+(`protocol.InvalidRequestError`, from validation) arrives as that error again, never retried;
+anything else is the server's fault and arrives as `RemoteError`.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +32,17 @@ class FirstResponseTimeoutError(RpcError):
     """The worker sent nothing within the first-response timeout; the stream was cancelled."""
 
 
+class StreamStalledError(RpcError):
+    """The worker sent nothing within the inter-response timeout after its first response (its engine
+    is wedged); the stream was cancelled."""
+
+
 class RequestCancelledError(RpcError):
     """The caller's RequestContext was cancelled while the stream was open."""
 
 
 class RemoteError(RpcError):
-    """The worker's handler raised; `error_type` is the remote exception's class name."""
+    """The worker's handler failed (the server's fault); `error_type` is the remote exception's class name."""
 
     def __init__(self, error_type: str, message: str, endpoint: str = ""):
         where = f" on worker {endpoint}" if endpoint else ""

@@ -7,14 +7,17 @@
     await client.close()
 
 Every way out is bounded and typed:
-  - the handler raised                            -> RemoteError(error_type, message)
+  - the handler refused the request               -> protocol.InvalidRequestError (the client's fault)
+  - the handler raised anything else              -> RemoteError(error_type, message)
   - the connection was refused, none within `connect_timeout_s`, or it dropped (the worker died: ZMQ
     heartbeats, answered by ZMQ's I/O thread so a busy worker loop is no false alarm, notice a
     silent peer within `heartbeat_timeout_s`)  -> WorkerGoneError
   - nothing within `first_response_timeout_s`      -> FirstResponseTimeoutError (the stream is cancelled)
+  - then nothing for `inter_response_timeout_s`    -> StreamStalledError (the stream is cancelled)
   - `context.cancel()` while streaming             -> RequestCancelledError
 Leaving the loop early (break, aclose, the consuming task cancelled) or any of the errors above
 sends a Cancel, so the worker's context is cancelled and it aborts the work.
+`release(endpoint)` (the worker left discovery) closes its connection once no stream uses it.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,
     RemoteError,
     RequestCancelledError,
+    StreamStalledError,
     WorkerGoneError,
 )
 
@@ -63,6 +68,7 @@ class _Connection:
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
+        self.released = False  # the worker left discovery: close once the last stream ends
         self._streams: dict[int, asyncio.Queue] = {}
         self._ids = itertools.count(1)
         try:
@@ -87,6 +93,13 @@ class _Connection:
         if self._streams.pop(stream, None) is not None and cancel and self.gone is None:
             with contextlib.suppress(WorkerGoneError):
                 self._send([wire.encoder.encode(wire.Cancel(stream))])
+        if self.released and not self._streams:
+            self.fail(WorkerGoneError(f"connection to worker {self.endpoint} closed: it left discovery"))
+
+    def release(self) -> None:
+        self.released = True
+        if not self._streams:
+            self.fail(WorkerGoneError(f"connection to worker {self.endpoint} closed: it left discovery"))
 
     def _send(self, frames: list[bytes]) -> None:
         try:
@@ -110,6 +123,9 @@ class _Connection:
                 queue.put_nowait(frames[1] if len(frames) > 1 else b"")
             elif isinstance(msg, wire.End):
                 queue.put_nowait(_END)
+            elif msg.client_error:  # rebuilt as the protocol error it was, so no caller retries it
+                error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
+                queue.put_nowait(error(msg.message, msg.param))
             else:
                 queue.put_nowait(RemoteError(msg.error_type, msg.message, self.endpoint))
 
@@ -157,18 +173,36 @@ class _Connection:
 
 class RpcClient:
     def __init__(self, *, connect_timeout_s: float = 5.0, first_response_timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 3.0, ping_s: float = 1.0):
+                 inter_response_timeout_s: float | None = None, heartbeat_timeout_s: float = 3.0,
+                 ping_s: float = 1.0):
         self.connect_timeout_s = connect_timeout_s
         self.first_response_timeout_s = first_response_timeout_s
+        self.inter_response_timeout_s = inter_response_timeout_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._ping_s = ping_s
         self._connections: dict[str, _Connection] = {}
+
+    @property
+    def num_connections(self) -> int:
+        return sum(conn.gone is None for conn in self._connections.values())
+
+    def release(self, endpoint: str) -> None:
+        """The worker at `endpoint` left discovery: close its connection once no stream uses it."""
+        conn = self._connections.get(endpoint)
+        if conn is not None:
+            conn.release()
+            self._forget_if_closed(conn)
+
+    def _forget_if_closed(self, conn: _Connection) -> None:
+        if conn.gone is not None and self._connections.get(conn.endpoint) is conn:
+            del self._connections[conn.endpoint]
 
     async def _connection(self, endpoint: str) -> _Connection:
         conn = self._connections.get(endpoint)
         if conn is None or conn.gone is not None:
             conn = _Connection(endpoint, self._heartbeat_timeout_s, self._ping_s)
             self._connections[endpoint] = conn
+        conn.released = False  # the worker is back before its streams ended: keep the connection
         if not conn.settled.is_set():
             try:
                 await asyncio.wait_for(conn.settled.wait(), self.connect_timeout_s)
@@ -192,20 +226,16 @@ class RpcClient:
             queue.put_nowait(_CANCELLED)
 
         watcher = asyncio.create_task(forward_cancel(), name=f"rpc-cancel-{context.request_id}")
-        timeout = first_response_timeout_s or self.first_response_timeout_s
+        timeout, timeout_error = first_response_timeout_s or self.first_response_timeout_s, FirstResponseTimeoutError
         finished = False
         try:
             while True:
-                if timeout is None:
-                    item = await queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), timeout)
-                    except asyncio.TimeoutError:
-                        raise FirstResponseTimeoutError(
-                            f"worker {endpoint} sent nothing for request {context.request_id} "
-                            f"within {timeout}s") from None
-                    timeout = None
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise timeout_error(f"worker {endpoint} sent nothing for request {context.request_id} "
+                                        f"within {timeout}s") from None
+                timeout, timeout_error = self.inter_response_timeout_s, StreamStalledError
                 if item is _END:
                     finished = True
                     return
@@ -218,6 +248,7 @@ class RpcClient:
         finally:
             watcher.cancel()
             conn.close_stream(stream, cancel=not finished)
+            self._forget_if_closed(conn)
 
     async def close(self) -> None:
         for conn in self._connections.values():

@@ -11,7 +11,8 @@
 Each stream runs the handler in its own task with a fresh RequestContext. A client's Cancel, a
 client silent for `client_timeout_s` (it pings every second while it has streams) or a client
 that is gone sets the context and cancels the task, so the handler's `finally` frees what it
-holds. A handler exception reaches the client as `RemoteError(type name, message)`.
+holds. A handler's `InvalidRequestError` reaches the client as itself (the client's fault); any
+other exception as `RemoteError(type name, message)`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.protocol import InvalidRequestError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
@@ -122,8 +124,11 @@ class RpcServer:
             await self._send(peer, context, wire.End(stream))
         except asyncio.CancelledError:
             pass  # cancelled by the client, its absence, or close(): nobody waits for an answer
+        except InvalidRequestError as exc:
+            log.info("rpc stream %s refused: %s", context.request_id, exc)
+            await self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc), True, exc.param))
         except Exception as exc:
-            log.info("rpc stream %s failed: %r", context.request_id, exc)
+            log.exception("rpc stream %s failed", context.request_id)
             await self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc)))
         finally:
             if self._streams.get(key, (None,))[0] is asyncio.current_task():

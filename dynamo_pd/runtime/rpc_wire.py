@@ -35,6 +35,8 @@ class Fail(msgspec.Struct, tag=True):
     stream: int
     error_type: str
     message: str
+    client_error: bool = False  # an InvalidRequestError: the client's fault, not the worker's
+    param: str | None = None  # ... and the request field it names
 
 
 ToServer = Open | Cancel | Ping

@@ -9,10 +9,13 @@ import signal
 import pytest
 
 from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,
     RemoteError,
     RequestCancelledError,
+    RpcError,
+    StreamStalledError,
     WorkerGoneError,
 )
 from dynamo_pd.runtime.rpc_client import RpcClient
@@ -235,3 +238,67 @@ async def test_frozen_client_has_its_streams_cancelled(procs):
         await procs.ready(proc)
         proc.send_signal(signal.SIGSTOP)
         assert await worker.wait_ended("from-subprocess") == "cancelled"
+
+
+# ---- error kinds, the inter-response deadline, released connections
+
+
+async def test_a_refused_request_arrives_as_the_client_error_it_is_not_a_remote_error():
+    async def refuse(payload: bytes, context: RequestContext):
+        error = PromptTooLongError if payload == b"long" else InvalidRequestError
+        raise error(f"refused {payload.decode()}", "prompt")
+        yield b""  # an async generator, like every handler
+
+    async with RpcServer(refuse) as server:
+        client = RpcClient()
+        for payload, error in ((b"bad", InvalidRequestError), (b"long", PromptTooLongError)):
+            with pytest.raises(InvalidRequestError) as info:
+                await collect(client, server.endpoint, payload, payload.decode())
+            assert type(info.value) is error and not isinstance(info.value, RpcError)
+            assert (str(info.value), info.value.param) == (f"refused {payload.decode()}", "prompt")
+        assert PromptTooLongError.code == "context_length_exceeded"
+        await client.close()
+
+
+async def test_a_stream_silent_after_its_first_response_is_stalled_and_its_work_cancelled():
+    wedged = asyncio.Event()  # never set: the engine stops producing after one output
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def one_then_nothing(payload: bytes, context: RequestContext):
+        try:
+            yield b"first"
+            await wedged.wait()
+        finally:
+            ended.set_result(context.cancelled)
+
+    async with RpcServer(one_then_nothing) as server:
+        client = RpcClient(first_response_timeout_s=30, inter_response_timeout_s=0.3)
+        chunks = []
+        with pytest.raises(StreamStalledError, match="within 0.3s"):
+            async for chunk in client.stream(server.endpoint, b"", RequestContext("wedged")):
+                chunks.append(chunk)
+        assert chunks == [b"first"]
+        assert await asyncio.wait_for(ended, 10) is True  # the worker's context was cancelled
+        # a stream slower than nothing but faster than the deadline is not cut
+        slow = Worker(delay_s=0.05)
+        async with RpcServer(slow.handler) as other:
+            assert await collect(client, other.endpoint, b"abcdef", "slow") == b"abcdef"
+        await client.close()
+
+
+async def test_a_released_connection_closes_once_its_last_stream_ends():
+    """A worker that left discovery: its open stream finishes, then the connection is gone."""
+    worker = Worker(delay_s=0.01)
+    async with RpcServer(worker.handler) as server:
+        client = RpcClient()
+        stream = client.stream(server.endpoint, b"x" * 20, RequestContext("r1"))
+        assert await anext(stream) == b"x"
+        client.release(server.endpoint)
+        assert client.num_connections == 1  # still serving r1
+        assert b"".join([c async for c in stream]) == b"x" * 19
+        assert client.num_connections == 0 and not client._connections
+        client.release(server.endpoint)  # idle (or unknown): closed at once, nothing to do
+        assert await collect(client, server.endpoint, b"ok", "r2") == b"ok"  # a worker that came back
+        client.release(server.endpoint)
+        assert client.num_connections == 0 and not client._connections
+        await client.close()
