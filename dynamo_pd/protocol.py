@@ -11,7 +11,10 @@ FinishReason = Literal["stop", "length", "abort", "error", "prefill_done"]
 
 
 class InvalidRequestError(ValueError):
-    """Bad client input; `param` names the offending field (HTTP 400)."""
+    """Bad client input; `param` names the offending field (HTTP 400, never retried). It crosses the
+    request plane as itself (rpc_client rebuilds it)."""
+
+    code: str | None = None  # the OpenAI error code
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -19,7 +22,9 @@ class InvalidRequestError(ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """Prompt (plus requested output) does not fit the model's context (HTTP 413)."""
+    """Prompt (plus requested output) does not fit the model's context or the KV cache (HTTP 400)."""
+
+    code = "context_length_exceeded"
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -50,6 +55,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0
 
 
+# Every step checks each stop string and stop token of every running request: one request's lists
+# must not slow its whole batch.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 64
+
+
 class StopConditions(msgspec.Struct, kw_only=True):
     max_tokens: int = 16
     stop_token_ids: list[int] = []
@@ -61,6 +71,12 @@ class StopConditions(msgspec.Struct, kw_only=True):
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings of at most "
+                                      f"{MAX_STOP_STRING_CHARS} characters each", "stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+                                      "stop_token_ids")
 
 
 HandoffMode = Literal["pull", "push"]

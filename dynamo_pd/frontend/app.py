@@ -1,18 +1,23 @@
 """The OpenAI-compatible HTTP frontend: validate, tokenize, hand the request to a Backend, stream back.
 
-Errors are OpenAI error bodies: 400 invalid, 401 bad key, 404 unknown model, 413 too long,
-503 overloaded. A client that goes away cancels the request's context, which the backend
-propagates to every worker holding it.
+Errors are OpenAI error bodies: 400 the client's fault (never retried; context overflow too, as
+OpenAI answers it), 401 bad key, 404 unknown model, 413 body too large, 503 overloaded or a worker
+gone or silent (retry), 500 anything else. Server errors name no internal endpoint: the log has the
+details. A client that goes away, from the moment its request arrives, cancels the request on
+every worker holding it. Tokenization and the chat template run off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from jinja2 import TemplateError
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +26,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.metrics import Metrics
-from dynamo_pd.runtime.errors import RpcError
+from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
+from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
@@ -29,6 +35,9 @@ from dynamo_pd.protocol import (
     OverloadedError,
     PromptTooLongError,
 )
+
+log = logging.getLogger("dynamo_pd.frontend")
+T = TypeVar("T")
 
 
 class Backend(Protocol):
@@ -60,6 +69,24 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+def as_http_error(exc: Exception, request_id: str) -> HTTPError:
+    """What the client is told about `exc`: its kind, and no internal endpoint or traceback."""
+    if isinstance(exc, InvalidRequestError):
+        return HTTPError(400, str(exc), "invalid_request_error", exc.param, exc.code)
+    if isinstance(exc, OverloadedError):
+        return HTTPError(503, str(exc), "overloaded_error", code="overloaded")
+    if isinstance(exc, StreamStalledError):
+        log.warning("request %s: %s", request_id, exc)
+        return HTTPError(503, "the worker serving this request stopped producing output; the request was ended",
+                         "service_unavailable", code="worker_stalled")
+    if isinstance(exc, RpcError) and not isinstance(exc, RemoteError):  # gone or silent: another may serve
+        log.warning("request %s: %s", request_id, exc)
+        return HTTPError(503, "the worker serving this request failed or stopped answering",
+                         "service_unavailable", code="worker_unavailable")
+    log.error("request %s failed", request_id, exc_info=exc)
+    return HTTPError(500, f"internal error while serving request {request_id}", "server_error")
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -136,9 +163,14 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
     async def http_error(_request: Request, exc: HTTPError):
         return error_response(exc.status, str(exc), exc.type, exc.param, exc.code)
 
+    @app.exception_handler(InvalidRequestError)  # raised while reading the body (content parts)
+    async def invalid_request(_request: Request, exc: InvalidRequestError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param, exc.code)
+
     @app.exception_handler(Exception)
-    async def server_error(_request: Request, exc: Exception):
-        return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+    async def server_error(request: Request, exc: Exception):
+        error = as_http_error(exc, f"{request.method} {request.url.path}")
+        return error_response(error.status, str(error), error.type, error.param, error.code)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -162,64 +194,83 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
     @app.post("/v1/chat/completions")
     async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        return await serve("chat", body, list(ids), request)
+
+        def tokenize() -> list[int]:
+            try:
+                ids = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except TemplateError as exc:  # the model's template refuses these messages (roles, order)
+                raise InvalidRequestError(f"the chat template refused the messages: {exc}", "messages") from None
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+        return await serve("chat", body, tokenize, request)
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
-        ids = body.prompt if isinstance(body.prompt, list) else backend.tokenizer(body.prompt).input_ids
-        return await serve("completion", body, list(ids), request)
+        def tokenize() -> list[int]:
+            return list(body.prompt) if isinstance(body.prompt, list) else backend.tokenizer(body.prompt).input_ids
 
-    async def serve(kind: str, body: oai._Common, ids: list[int], http: Request) -> Response:
+        return await serve("completion", body, tokenize, request)
+
+    async def serve(kind: str, body: oai._Common, tokenize: Callable[[], list[int]], http: Request) -> Response:
         if body.model != backend.model_name:
             raise HTTPError(404, f"model {body.model!r} does not exist", "invalid_request_error", "model", "model_not_found")
-        request = EngineRequest(
-            request_id=oai.new_id("chatcmpl" if kind == "chat" else "cmpl"),
-            prompt_token_ids=ids,
-            sampling=body.sampling(body.logprob_count()),
-            stop=body.stop_conditions(config.default_max_tokens),
-        )
+        rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        gone = asyncio.ensure_future(_wait_disconnect(http, config.disconnect_poll_s))  # watched from arrival on
+        stream: AsyncIterator[EngineOutput] | None = None
+        status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         try:
+            ids = await _unless_gone(gone, asyncio.to_thread(tokenize))  # a 4 MiB prompt takes seconds
+            request = EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=body.sampling(body.logprob_count()),
+                                    stop=body.stop_conditions(config.default_max_tokens))
             request.validate()
-            limit = backend.max_model_len
-            if len(ids) + request.stop.max_tokens > limit:
+            if len(ids) + request.stop.max_tokens > backend.max_model_len:
                 raise PromptTooLongError(
                     f"prompt ({len(ids)} tokens) plus max_tokens ({request.stop.max_tokens}) exceeds the "
-                    f"model's context of {limit} tokens", "messages" if kind == "chat" else "prompt"
-                )
-        except PromptTooLongError as exc:
-            raise HTTPError(413, str(exc), "invalid_request_error", exc.param, "context_length_exceeded") from exc
-        except InvalidRequestError as exc:
-            raise HTTPError(400, str(exc), "invalid_request_error", exc.param) from exc
-        stream = _timed(backend.generate(request, RequestContext(request.request_id)), metrics)
-        try:
-            first = await anext(stream)  # errors before the first token become HTTP errors
-        except StopAsyncIteration:
-            raise HTTPError(500, "backend returned no output", "server_error") from None
-        except OverloadedError as exc:
-            metrics.requests.labels(kind, "503").inc()
-            raise HTTPError(503, str(exc), "overloaded_error", code="overloaded") from exc
-        except RpcError as exc:  # the worker died or went silent before the first token: retryable
-            metrics.requests.labels(kind, "503").inc()
-            raise HTTPError(503, f"worker failed: {exc}", "service_unavailable", code="worker_unavailable") from exc
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            sse = _sse(kind, request.request_id, backend, _chain(first, stream), include_usage, metrics)
-            return StreamingResponse(sse, media_type="text/event-stream")
-        collected = asyncio.ensure_future(_collect(_chain(first, stream)))
-        watcher = asyncio.ensure_future(_wait_disconnect(http, config.disconnect_poll_s))
-        await asyncio.wait({collected, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not collected.done():  # client went away: closing the stream cancels the request everywhere
-            collected.cancel()
-            metrics.requests.labels(kind, "499").inc()
+                    f"model's context of {backend.max_model_len} tokens", "messages" if kind == "chat" else "prompt")
+            stream = _timed(backend.generate(request, RequestContext(rid)), metrics)
+            if body.stream:
+                first = await _unless_gone(gone, anext(stream))  # errors before the first token: HTTP errors
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics)
+                stream, status = None, None  # the response owns it now, and notices a client that leaves
+                return StreamingResponse(sse, media_type="text/event-stream")
+            outputs = await _unless_gone(gone, _collect(stream))
+            if not outputs:
+                raise RuntimeError("the backend returned no output")
+            return JSONResponse(oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs))
+        except _ClientGone:  # the request is cancelled everywhere already
+            status = "499"
             return Response(status_code=499)
-        outputs = collected.result()
-        metrics.requests.labels(kind, "200").inc()
-        return JSONResponse(oai.whole_body(kind, request.request_id, backend.model_name, backend.tokenizer.decode, outputs))
+        except Exception as exc:  # StopAsyncIteration too: no first output
+            error = as_http_error(exc, rid)
+            status = str(error.status)
+            raise error from exc
+        finally:
+            gone.cancel()
+            if stream is not None:
+                await stream.aclose()
+            if status is not None:
+                metrics.requests.labels(kind, status).inc()
 
     return app
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_gone(gone: asyncio.Future, work: Awaitable[T]) -> T:
+    """`work`'s result; or, when the client disconnects first, `work` cancelled (and waited for) and
+    _ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await cancel_and_wait([task])
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
 
 
 async def _chain(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
@@ -258,10 +309,7 @@ async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics) -> Async
 
 
 async def _collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
-    try:
-        return [out async for out in stream]
-    finally:
-        await stream.aclose()
+    return [out async for out in stream]
 
 
 async def _wait_disconnect(http: Request, poll_s: float) -> None:
@@ -289,8 +337,10 @@ async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[Engi
         status = "499"  # the client went away; closing `stream` cancels the request everywhere
         raise
     except Exception as exc:  # noqa: BLE001 - a stream already started can only report in-band
-        status = "500"
-        yield oai.sse_event({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+        error = as_http_error(exc, rid)
+        status = str(error.status)
+        yield oai.sse_event({"error": {"message": str(error), "type": error.type, "param": error.param,
+                                       "code": error.code}})
     finally:
         metrics.requests.labels(kind, status).inc()
         await stream.aclose()

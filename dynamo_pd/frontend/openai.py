@@ -6,24 +6,37 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from dynamo_pd.protocol import EngineOutput, InvalidRequestError, SamplingParams, StopConditions, TokenLogprob, Usage
 
 
+def _unicode(text: str) -> str:
+    text.encode("utf-8")  # a lone surrogate (valid JSON) is text no tokenizer or msgpack takes: a 400
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]  # the wire's u32; the engine checks its vocabulary
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[dict[str, Any]]
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise InvalidRequestError("only text content parts are supported", "messages")
-        return "".join(parts)
+        parts = [p.get("text") for p in self.content if p.get("type") == "text"]
+        if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
+            raise InvalidRequestError("only text content parts ({'type': 'text', 'text': str}) are supported",
+                                      "messages")
+        try:
+            return _unicode("".join(parts))
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"content is not valid Unicode: {exc.reason}", "messages") from None
 
 
 class StreamOptions(BaseModel):
@@ -31,18 +44,18 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(default=0, ge=-1, lt=1 << 31)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)  # a torch generator's int64
+    stop: Text | list[Text] | None = None  # bounds: StopConditions.validate
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -89,7 +102,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: Text | list[TokenId]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
 

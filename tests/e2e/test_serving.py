@@ -136,7 +136,7 @@ def test_http_errors_are_openai_error_bodies(aggregated):
     assert status == 404 and body["error"]["code"] == "model_not_found"
     long_prompt = {"model": MODEL, "prompt": "word " * 9000, "max_tokens": 4}
     status, body = aggregated.post("/v1/completions", long_prompt, auth)
-    assert status == 413 and body["error"]["code"] == "context_length_exceeded", body
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     assert _declared_oversize_body_status(aggregated, auth) == 413
     assert _chunked_oversize_body_status(aggregated, auth) == 413
     status, body = aggregated.post("/v1/chat/completions", {**chat, "messages": []}, auth)
