@@ -136,9 +136,18 @@ def test_cache_aware_policy_as_sglang():
 
 @pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "cache_aware"])
 def test_every_policy_serves_through_the_facade(policy):
+    """One workload for every policy: 12 requests of a prompt whose blocks w1 holds, none finished."""
     router = make_router(n=3, policy=policy)
-    chosen = {router.route("prefill", f"r{i}", PROMPT).worker_id for i in range(12)}
-    assert chosen <= {"w0", "w1", "w2"} and (len(chosen) > 1 or policy == "cache_aware")
+    router.indexer.store("w1", block_hashes(PROMPT, BS))
+    chosen = [router.route("prefill", f"r{i}", PROMPT).worker_id for i in range(12)]
+    if policy == "round_robin":  # blind to cache and load
+        assert chosen == ["w0", "w1", "w2"] * 4
+    elif policy == "least_loaded":  # each placement adds to its worker's load
+        assert Counter(chosen) == {"w0": 4, "w1": 4, "w2": 4}
+    elif policy == "random":
+        assert set(chosen) == {"w0", "w1", "w2"}
+    else:  # the whole prompt cached on w1, and 12 requests stay within the balance thresholds
+        assert chosen == ["w1"] * 12
 
 
 def test_predicted_load_follows_the_request_and_metrics_correct_it():
