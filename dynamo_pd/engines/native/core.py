@@ -18,7 +18,7 @@ from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
 from dynamo_pd.engines.native.loader import load_weights
 from dynamo_pd.engines.native.model import LlamaModel
 from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from dynamo_pd.engines.native.sampler import sample
+from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
 from dynamo_pd.model_store import resolve_model
@@ -104,6 +104,9 @@ class EngineCore:
         if total > capacity:
             raise PromptTooLongError(
                 f"prompt plus max_tokens is {total} tokens, more than the whole KV cache ({capacity} tokens)", "prompt")
+        if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
+            raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
+                                      "first_token_id")
         handoff = request.handoff
         if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
             if request.first_token_id is None and handoff.mode == "pull":
@@ -112,9 +115,6 @@ class EngineCore:
             if handoff.num_tokens != len(prompt):
                 raise InvalidRequestError(
                     f"handoff holds {handoff.num_tokens} tokens of KV but the prompt has {len(prompt)}", "handoff")
-            if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
-                raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
-                                          "first_token_id")
 
     def add_request(self, request: EngineRequest) -> None:
         self.check_request(request)
@@ -149,9 +149,20 @@ class EngineCore:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
         token_ids, logprobs = sample(logits, seqs, self.generator)
-        return [self._append(seq, t, lp) for seq, t, lp in zip(seqs, token_ids, logprobs)]
+        outputs = []
+        for seq, token, logprob in zip(seqs, token_ids, logprobs):
+            given = seq.request.first_token_id
+            if given is not None and not seq.output_token_ids:
+                # Prefilled here after a failed hand-off: the prefill side sampled (and streamed) the
+                # first token; the draw just made for it leaves the seeded generator where it would be.
+                outputs.append(self._append(seq, given, None, echo=True))
+            else:
+                outputs.append(self._append(seq, token, logprob))
+        return outputs
 
-    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> EngineOutput:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, echo: bool = False) -> EngineOutput:
+        """Add a sampled token. `echo`: the first token, sampled and streamed by a prefill worker; its
+        text is what that side streamed by the same holdback rule, so this side's text starts after it."""
         seq.token_ids.append(token)
         stop = seq.request.stop
         finish = stop_reason = None
@@ -164,12 +175,15 @@ class EngineCore:
         if finish is None and (len(seq.output_token_ids) >= stop.max_tokens
                                or len(seq.token_ids) >= self.max_model_len):
             finish = "length"
-        if self.role is EngineRole.PREFILL:
-            finish, stop_reason = "prefill_done", None  # the decode side applies stop conditions
+        if echo:
+            seq.detokenizer.delta(finished=False)
+        text = seq.detokenizer.delta(finished=finish is not None)
+        if self.role is EngineRole.PREFILL and finish is None:
+            finish = "prefill_done"  # the decode side goes on; a first token that ends the request is the answer
         out = EngineOutput(
             request_id=seq.request_id,
             token_ids=[token],
-            text=seq.detokenizer.delta(finished=finish is not None),
+            text=text,
             logprobs=None if logprob is None else [logprob],
             finish_reason=finish,
             stop_reason=stop_reason,
@@ -213,8 +227,8 @@ class EngineCore:
         return loads
 
     def finish_load(self, request_id: str, first_token_id: int | None = None) -> EngineOutput | None:
-        """The kv_loader filled the blocks: decode starts, and the first token streams out (the one
-        that came with the KV, else the request's)."""
+        """The kv_loader filled the blocks: decode starts from the first token the prefill side sampled
+        (the one that came with the KV, else the request's), echoed with the text it did not stream."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.LOADING:
             return None
@@ -222,7 +236,8 @@ class EngineCore:
         if token is None or not 0 <= token < self.model_config.vocab_size:
             return self.end_request(request_id, "error", f"hand-off of {request_id!r} gave no valid first token")
         self.scheduler.loaded(seq)
-        return self._append(seq, token, None)
+        skip_draw(seq)
+        return self._append(seq, token, None, echo=True)
 
     def release_handoff(self, request_id: str) -> bool:
         held = self.held.pop(request_id, None)

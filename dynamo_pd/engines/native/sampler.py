@@ -38,6 +38,13 @@ def _filter_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p:
     return sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
 
 
+def skip_draw(seq: Sequence) -> None:
+    """The first token was sampled elsewhere (a prefill worker) from this request's seed: use up its
+    draw, so the next one is the draw an aggregated engine would make next."""
+    if seq.generator is not None and not seq.request.sampling.greedy:
+        torch.rand(1, generator=seq.generator)
+
+
 def sample(
     logits: torch.Tensor,  # [rows, vocab] float32, the model's raw next-token logits
     seqs: list[Sequence],
