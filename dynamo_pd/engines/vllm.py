@@ -59,6 +59,9 @@ class VllmEngine(Engine):
             )
         if cfg.role is not EngineRole.AGGREGATED and "kv_transfer_config" not in extra:
             kwargs["kv_transfer_config"] = _nixl_connector(cfg.role)
+        if not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & extra.keys():
+            # Else vLLM sizes its cache from 92% of the memory, which on CPU is the host's: no second worker fits.
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_gb * 2**30)
         kwargs.update(extra)
         return AsyncEngineArgs(**kwargs)
 
@@ -80,7 +83,9 @@ class VllmEngine(Engine):
         transfer: dict[str, Any] | None = None
         max_tokens = stop.max_tokens
         if self.role is EngineRole.PREFILL:
-            transfer, max_tokens = {"do_remote_decode": True, "do_remote_prefill": False}, 1
+            max_tokens = 1
+            if stop.max_tokens > 1:  # else the first token is the whole answer: no KV to hold for a decode side
+                transfer = {"do_remote_decode": True, "do_remote_prefill": False}
         elif self.role is EngineRole.DECODE and request.handoff is not None:
             transfer = request.handoff.engine_params
         return SamplingParams(
@@ -124,12 +129,16 @@ class VllmEngine(Engine):
                 completion = out.outputs[0]
                 completion_tokens += len(completion.token_ids)
                 final = out.finished
+                # vLLM's connector holds the KV for a decode side exactly when it returns its params
+                held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
+                handoff = self._handoff(request, out) if held else None
                 yield EngineOutput(
                     request_id=request.request_id,
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
-                    finish_reason=_finish_reason(self.role, completion.finish_reason) if final else None,
+                    finish_reason=("prefill_done" if handoff else _finish_reason(completion.finish_reason))
+                    if final else None,
                     stop_reason=completion.stop_reason if final else None,
                     usage=Usage(
                         prompt_tokens=len(request.prompt_token_ids),
@@ -138,7 +147,7 @@ class VllmEngine(Engine):
                     )
                     if final
                     else None,
-                    handoff=self._handoff(request, out) if final and self.role is EngineRole.PREFILL else None,
+                    handoff=handoff,
                 )
         finally:
             cancelled.cancel()
@@ -169,9 +178,7 @@ def _nixl_connector(role: EngineRole) -> KVTransferConfig:
     return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role)
 
 
-def _finish_reason(role: EngineRole, reason: str | None) -> str:
-    if role is EngineRole.PREFILL and reason == "length":
-        return "prefill_done"
+def _finish_reason(reason: str | None) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", "error")
 
 

@@ -210,7 +210,7 @@ class RemoteBackend:
                         first_response_timeout_s=wait_s + self.rpc.first_response_timeout_s)
                     decode_started = asyncio.ensure_future(anext(decode_stream))
                 first = await anext(prefill_stream)
-                if first.handoff is None:
+                if first.handoff is None and first.finish_reason not in ("stop", "length"):
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
             except (RpcError, RuntimeError, StopAsyncIteration, OverloadedError) as exc:
                 if decode_stream is not None:  # the decode worker frees what it reserved
@@ -220,6 +220,9 @@ class RemoteBackend:
                     request = msgspec.structs.replace(request, request_id=f"{request.request_id}-local")
                 async for out in self._fallback(decode.worker_id, request, context, None, "prefill_failed", exc):
                     yield out
+                return
+            if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
+                yield first
                 return
             # An engine's own hand-off (vLLM) re-samples the first token on the decode side: send that one.
             resampled = first.handoff.engine_params is not None
@@ -247,7 +250,7 @@ class RemoteBackend:
                                     decode_started: asyncio.Future | None,
                                     resampled: bool) -> AsyncIterator[EngineOutput]:
         """The decode stream (its first output already awaited in `decode_started`, push mode), minus
-        its echo of the first token (already sent unless `resampled`), with whole-request usage."""
+        its echo of the first token (already sent unless `resampled`), with the prefill's prompt usage."""
 
         async def outputs() -> AsyncIterator[EngineOutput]:
             if decode_started is not None:
@@ -261,10 +264,7 @@ class RemoteBackend:
                 raise KVLoadFailedError(out.error or "KV import failed")
             started = started or bool(out.token_ids)
             if echo_pending and out.token_ids:
-                echo_pending = False
-                if out.token_ids[:1] == first.token_ids:
-                    out = msgspec.structs.replace(out, token_ids=out.token_ids[1:], text=out.text[len(first.text):],
-                                                  logprobs=out.logprobs[1:] if out.logprobs else out.logprobs)
+                echo_pending, out = False, _drop_echo(out)
             if out.usage is not None and first.usage is not None:
                 out = msgspec.structs.replace(out, usage=Usage(
                     prompt_tokens=first.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
@@ -274,22 +274,23 @@ class RemoteBackend:
 
     async def _fallback(self, worker_id: str, request: EngineRequest, context: RequestContext,
                         first: EngineOutput | None, reason: str, exc: Exception) -> AsyncIterator[EngineOutput]:
-        """Prefill on the decode worker instead; after a first token, continue from prompt + that token."""
+        """Prefill on the decode worker instead; after a first token the client has, the decode engine
+        prefills the prompt and continues from that token (echoing it, as after a hand-off)."""
         if self.config.on_prefill_failure == "fail":
             raise RuntimeError(f"remote prefill failed ({reason}): {exc}") from exc
         log.warning("request %s: %s (%s); prefilling on the decode worker", request.request_id, reason, exc)
         self.metrics.fallbacks.labels(reason).inc()
-        local = request
-        if first is not None:
-            local = msgspec.structs.replace(
-                request, prompt_token_ids=request.prompt_token_ids + first.token_ids,
-                stop=msgspec.structs.replace(request.stop, max_tokens=request.stop.max_tokens - 1))
-            if local.stop.max_tokens < 1:
-                yield msgspec.structs.replace(first, finish_reason="length", handoff=None)
-                return
+        echo_pending = first is not None
+        local = msgspec.structs.replace(request, first_token_id=first.token_ids[0]) if echo_pending else request
         async for out in self._stream(worker_id, local, context, "decode"):
-            if out.usage is not None and first is not None:
-                out = msgspec.structs.replace(out, usage=Usage(
-                    prompt_tokens=out.usage.prompt_tokens - 1, completion_tokens=out.usage.completion_tokens + 1,
-                    cached_tokens=min(out.usage.cached_tokens, out.usage.prompt_tokens - 1)))
-            yield out
+            if echo_pending and out.token_ids:
+                echo_pending, out = False, _drop_echo(out)
+            if out.token_ids or out.text or out.finish_reason:
+                yield out
+
+
+def _drop_echo(out: EngineOutput) -> EngineOutput:
+    """The decode engine's first output repeats the first token, which the client already has. Its text
+    starts where the prefill side's stopped (both apply the same holdback rule), so only the id goes."""
+    return msgspec.structs.replace(out, token_ids=out.token_ids[1:],
+                                   logprobs=out.logprobs[1:] if out.logprobs else out.logprobs)
