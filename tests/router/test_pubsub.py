@@ -55,18 +55,20 @@ async def test_events_reach_the_indexer_and_a_late_joiner_replays_what_it_missed
 
 class LossyLink:
     """Forwards a publisher's messages to a second PUB socket, dropping the sequence numbers in `drop`;
-    messages from `hold_from` on wait until `release()`, so a test decides what the replay buffer holds."""
+    messages from `hold_from` on wait until `release()`, so a test decides what the replay buffer holds.
+    That socket is an XPUB: it hands the test each subscription, so a test can wait until one is live."""
 
     def __init__(self, source: str, drop: set[int], hold_from: int | None = None):
         ctx = zmq.asyncio.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(source)
-        self.pub = ctx.socket(zmq.PUB)
+        self.pub = ctx.socket(zmq.XPUB)
         self.pub.bind("tcp://127.0.0.1:0")
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.drop = drop
         self.hold_from = hold_from
+        self.received = 0
         self.held: list = []
         self.released = asyncio.Event()
         self.task = asyncio.create_task(self._forward())
@@ -74,11 +76,16 @@ class LossyLink:
     async def _forward(self):
         while True:
             frames = await self.sub.recv_multipart()
+            self.received += 1
             seq = int.from_bytes(frames[1], "big")
             if self.hold_from is not None and seq >= self.hold_from and not self.released.is_set():
                 self.held.append(frames)
             elif seq not in self.drop:
                 await self.pub.send_multipart(frames)
+
+    async def subscribed(self):
+        """Once the XPUB has read a subscription, what it sends after reaches that subscriber."""
+        assert (await asyncio.wait_for(self.pub.recv(), 5))[0] == 1
 
     async def release(self):
         self.released.set()
@@ -92,27 +99,39 @@ class LossyLink:
         self.pub.close(linger=0)
 
 
-async def connected(router: KvRouter, pub: ZmqEventPublisher, link: LossyLink, replay: str | None):
-    """Subscribe through the link and wait until a probe batch (seq 0) went all the way through."""
-    await asyncio.sleep(0.2)  # the link's SUB must be subscribed before the probe
-    await router.connect_events("w", link.endpoint, replay)
-    for _ in range(50):
-        if router.ingestor.expected_seq("w") is not None:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("probe batch never arrived")
+async def probe(pub: ZmqEventPublisher, arrived) -> int:
+    """Publish probe batches (prompt 11) until `arrived()`, since ZMQ drops what a PUB sends before a
+    subscription forms; returns the next batch's sequence number."""
+    for published in range(1, 200):
+        pub.publish(stored(11))
+        try:
+            await eventually(arrived, timeout=0.05)
+            return published
+        except AssertionError:
+            continue
+    raise AssertionError("no probe batch arrived")
+
+
+async def connected(router: KvRouter, pub: ZmqEventPublisher, link: LossyLink) -> int:
+    """Probe until the link's subscription is live, then follow the link (with replay) until the router's
+    subscription is live too and it has every probe; returns the next batch's sequence number."""
+    first = await probe(pub, lambda: link.received > 0)
+    await router.connect_events("w", link.endpoint, pub.replay_endpoint)
+    await link.subscribed()
+    await eventually(lambda: router.ingestor.expected_seq("w") == first)  # the probes, replayed
+    return first
 
 
 @pytest.mark.parametrize("buffer_steps, recovered_by", [(100, "replay"), (2, "rebuild")])
 async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, recovered_by):
     with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0", buffer_steps=buffer_steps) as pub:
-        link = LossyLink(pub.endpoint, drop={2}, hold_from=1)
+        link = LossyLink(pub.endpoint, drop=set())
         router = new_router()
-        pub.publish(stored(0))  # seq 0: may or may not arrive before the subscription; replay covers it
-        await connected(router, pub, link, pub.replay_endpoint)
-        for p in range(1, 6):  # seq 1..5; seq 2 (prompt 2) is lost on the way
+        first = await connected(router, pub, link)
+        link.drop, link.hold_from = {first + 2}, first + 1
+        for p in range(6):  # prompt 0 arrives; of prompts 1..5, held until released, prompt 2 is lost
             pub.publish(stored(p))
-        await eventually(lambda: len(link.held) == 5)  # all published: the buffer holds its final batches
+        await eventually(lambda: matches(router, 0) == {"w": 4} and len(link.held) == 5)  # the buffer is final
         await link.release()
         await eventually(lambda: matches(router, 5) == {"w": 4})
         stats = router.ingestor.stats
@@ -120,7 +139,7 @@ async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, reco
         if recovered_by == "replay":
             assert [matches(router, p) for p in range(6)] == [{"w": 4}] * 6
             assert stats.resets == 0
-        else:  # the buffer (2 batches) no longer holds seq 2: state dropped, rebuilt from seq 4 on
+        else:  # the buffer (2 batches) no longer holds prompt 2's: state dropped, rebuilt from prompt 4 on
             assert stats.resets == 1
             assert [matches(router, p) for p in range(6)] == [{}, {}, {}, {}, {"w": 4}, {"w": 4}]
         await link.close()
@@ -130,28 +149,16 @@ async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, reco
 async def test_the_last_batch_of_a_burst_lost_on_the_way_is_found_once_the_stream_is_quiet():
     """No later batch reveals the gap, so the quiet stream itself asks the replay buffer."""
     with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0") as pub:
-        link = LossyLink(pub.endpoint, drop={2})
+        link = LossyLink(pub.endpoint, drop=set())
         router = new_router()
-        pub.publish(stored(0))
-        await connected(router, pub, link, pub.replay_endpoint)
+        first = await connected(router, pub, link)
+        link.drop = {first + 1}
         pub.publish(stored(1))
-        pub.publish(stored(2))  # seq 2, the last one, never arrives live
+        pub.publish(stored(2))  # the last one never arrives live
         await eventually(lambda: matches(router, 2) == {"w": 4})
         assert matches(router, 1) == {"w": 4} and router.ingestor.stats.resets == 0
         await link.close()
         await router.close()
-
-
-async def flowing(router: KvRouter, pub: ZmqEventPublisher) -> int:
-    """Without a replay buffer: publish probe batches (prompt 11) until they reach the router, since
-    ZMQ drops what a PUB sends before the subscription forms; returns the next batch's sequence number."""
-    for published in range(1, 200):
-        pub.publish(stored(11))
-        await asyncio.sleep(0.05)
-        if router.ingestor.expected_seq("w") is not None:
-            await eventually(lambda: router.ingestor.expected_seq("w") == published)  # probes in flight
-            return published
-    raise AssertionError("no probe batch reached the router")
 
 
 async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
@@ -159,7 +166,8 @@ async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
         link = LossyLink(pub.endpoint, drop=set())
         router = new_router()
         await router.connect_events("w", link.endpoint)
-        first = await flowing(router, pub)
+        first = await probe(pub, lambda: router.ingestor.expected_seq("w") is not None)
+        await eventually(lambda: router.ingestor.expected_seq("w") == first)  # probes in flight arrived
         link.drop = {first + 2}
         for p in range(5):  # seq first..first+4; prompt 2's batch is lost on the way
             pub.publish(stored(p))
@@ -174,13 +182,17 @@ async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
 async def test_removed_worker_stops_following_and_is_forgotten():
     with ZmqEventPublisher(replay_endpoint="tcp://127.0.0.1:0") as pub:
         pub.publish(stored(0))
-        router = new_router()
+        router, witness = new_router(), KvRouter(RouterConfig(block_size=BS))
+        witness.add_worker("v", "prefill", capacity_blocks=1000)  # follows the same stream, and stays
         await router.connect_events("w", pub.endpoint, pub.replay_endpoint)
-        await eventually(lambda: matches(router, 0) == {"w": 4})
+        await witness.connect_events("v", pub.endpoint, pub.replay_endpoint)
+        await eventually(lambda: matches(router, 0) == {"w": 4} and matches(witness, 0) == {"v": 4})
         router.remove_worker("w")
+        await eventually(lambda: all(t.get_name() != "kv-events-w" for t in asyncio.all_tasks()))  # unsubscribed
         pub.publish(stored(1))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: matches(witness, 1) == {"v": 4})  # the batch went out
         assert matches(router, 0) == {} and matches(router, 1) == {}
+        await witness.close()
         await router.close()
 
 
