@@ -118,18 +118,21 @@ async def test_client_cancellation_cancels_the_worker_context(how):
         elif how == "aclose":
             await stream.aclose()
         else:
+            consuming = asyncio.Event()
+
             async def consume():
                 async for _ in stream:
-                    pass
+                    consuming.set()
             consumer = asyncio.create_task(consume())
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(consuming.wait(), 10)  # cancelled mid-stream, not before it resumes
             consumer.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await consumer
         assert await worker.wait_ended("r1") == "cancelled"
         assert worker.started["r1"].cancelled
-        await asyncio.sleep(0.05)
-        assert server.num_streams == 0
+        async with asyncio.timeout(10):  # the server drops the stream once its handler has ended
+            while server.num_streams:
+                await asyncio.sleep(0.01)
         await client.close()
 
 
