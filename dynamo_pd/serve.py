@@ -5,7 +5,11 @@
 
 Starts the frontend (which hosts discovery and the router) and the workers as child processes,
 reports when every worker has registered, and on Ctrl-C / SIGTERM stops them all. Engine flags
-(`--engine`, `--model`, `--block-size`, ... and any engine-specific ones) go to every worker.
+(`--engine`, `--model`, `--block-size`, ... and any engine-specific ones) go to every worker; the
+workers share this host's memory, so a fraction of it (`--gpu-memory-utilization`, which vLLM on
+CPU applies to host memory) is split between them, while `--kv-cache-memory-gb` is per worker.
+Each child logs to a file; a child that fails to start is reported in one line: its cause, the
+flag to change and the log's path.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
+from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config,
+                           parse_passthrough)
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
 
@@ -60,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error(f"--aggregated must be >= 1, got {args.aggregated}")
     check_namespace(args.namespace)
     engine_config(args, EngineRole.AGGREGATED, passthrough)  # validates engine flags before anything starts
+    args.memory_fraction = parse_passthrough(passthrough).get("gpu_memory_utilization")
     _, engine_argv = _serve_parser(add_help=False).parse_known_args(argv)
     return args, engine_argv
 
@@ -75,15 +85,60 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
     if args.api_key:
         frontend += ["--api-key", args.api_key]
     roles = [("aggregated", args.aggregated)] if args.aggregated else [("prefill", args.prefill), ("decode", args.decode)]
+    count = sum(n for _, n in roles)
+    # Every worker runs on this host: a fraction of its memory is the deployment's, split evenly
+    # (the last --gpu-memory-utilization on a worker's command line wins).
+    share = ["--gpu-memory-utilization", f"{args.memory_fraction / count:.4g}"] if args.memory_fraction else []
     workers = [
         [sys.executable, "-m", f"dynamo_pd.{role}", "--discovery", discovery, "--kv-transport", args.kv_transport,
-         "--kv-handoff", args.kv_handoff, "--worker-id", f"{role}-{i}", *plane, *engine_argv]
-        for role, count in roles for i in range(count)
+         "--kv-handoff", args.kv_handoff, "--worker-id", f"{role}-{i}", *plane, *engine_argv, *share]
+        for role, n in roles for i in range(n)
     ]
     return discovery, [frontend, *workers]
 
 
-async def _wait_ready(discovery_url: str, namespace: str, expected: int, children: list[subprocess.Popen]) -> None:
+def child_name(command: list[str]) -> str:
+    return command[command.index("--worker-id") + 1] if "--worker-id" in command else "frontend"
+
+
+def check_ports_free(args: argparse.Namespace) -> None:
+    """Two deployments on one host must differ in --port and --discovery-port: say so before starting."""
+    ports = [("--port", args.host, args.port)] + ([] if args.etcd else [("--discovery-port", "127.0.0.1",
+                                                                        args.discovery_port)])
+    for flag, host, port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise SystemExit(f"error: {host}:{port} is taken ({exc.strerror}; another deployment?): "
+                                 f"choose another {flag}") from None
+
+
+# A failed child's error line -> the flag that fixes it (first match wins).
+_FIXES = (
+    (re.compile(r"utilization", re.I), "--gpu-memory-utilization"),
+    (re.compile(r"memory", re.I), "--kv-cache-memory-gb"),
+    (re.compile(r"address already in use", re.I), "--port or --discovery-port"),
+    (re.compile(r"max_model_len", re.I), "--max-model-len"),
+)
+_ERROR_LINE = re.compile(r"(\w*(?:Error|Exception)|\berror)\b:\s", re.I)
+
+
+def failure_line(name: str, code: int | None, log: Path) -> str:
+    """One line for a child that exited before the deployment was ready: its cause and what to change."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    # vLLM's front process re-raises its engine's root cause as a generic error: prefer a line we can act on
+    fixable = [(line, flag) for line in errors for pattern, flag in _FIXES if pattern.search(line)]
+    cause, flag = fixable[0] if fixable else ((errors or lines or [f"exit code {code}"])[-1], None)
+    cause = cause[:300] + ("..." if len(cause) > 300 else "")
+    what = "worker " + name if name != "frontend" else "the frontend"
+    return f"error: {what} failed to start: {cause} ({f'change {flag}; ' if flag else ''}log: {log})"
+
+
+async def _wait_ready(discovery_url: str, namespace: str, expected: int, children: list[subprocess.Popen],
+                      log_dir: Path) -> None:
     from dynamo_pd.runtime import connect_discovery
 
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -93,7 +148,8 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
         while time.monotonic() < deadline:
             for child in children:
                 if child.poll() is not None:
-                    raise SystemExit(f"error: {' '.join(child.args[1:4])} exited with code {child.returncode}")
+                    name = child_name(child.args)
+                    raise SystemExit(failure_line(name, child.returncode, log_dir / f"{name}.log"))
             try:
                 discovery = discovery or await connect_discovery(discovery_url, namespace=namespace)
                 registered = len(await discovery.list())
@@ -105,7 +161,7 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
             if registered >= expected:
                 return
             await asyncio.sleep(0.5)
-        raise SystemExit(f"error: workers not ready within {_READY_TIMEOUT_S:.0f}s")
+        raise SystemExit(f"error: workers not ready within {_READY_TIMEOUT_S:.0f}s (logs in {log_dir})")
     finally:
         if discovery is not None:
             await discovery.close()
@@ -124,7 +180,7 @@ def _stop(children: list[subprocess.Popen]) -> None:
             child.wait()
 
 
-def _watch(children: list[subprocess.Popen]) -> None:
+def _watch(children: list[subprocess.Popen], log_dir: Path) -> None:
     """Serve until the frontend exits; a worker that dies is reported and the rest keep serving
     (discovery drops it within its lease TTL, and the router stops sending it work)."""
     frontend, workers = children[0], children[1:]
@@ -133,19 +189,27 @@ def _watch(children: list[subprocess.Popen]) -> None:
         for worker in workers:
             if worker.poll() is not None and worker.pid not in reported:
                 reported.add(worker.pid)
-                print(f"dynamo-pd: worker {worker.args[worker.args.index('--worker-id') + 1]} exited with code "
-                      f"{worker.returncode}; the others keep serving", flush=True)
+                name = child_name(worker.args)
+                print(f"dynamo-pd: worker {name} exited with code {worker.returncode} (log: {log_dir / name}.log); "
+                      f"the others keep serving", flush=True)
         time.sleep(0.5)
-    raise SystemExit(f"error: the frontend exited with code {frontend.returncode}; stopping")
+    raise SystemExit(f"error: the frontend exited with code {frontend.returncode} (log: {log_dir}/frontend.log); "
+                     f"stopping")
 
 
 def main(argv: list[str] | None = None) -> None:
     args, engine_argv = parse_args(argv)
+    check_ports_free(args)
     try:
         resolve_model(args.model)  # fetch / convert once, with progress, before any worker starts
     except (ModelNotFoundError, ModelFetchError) as exc:
         raise SystemExit(f"error: {exc}") from None
     discovery_url, commands = plan(args, engine_argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="dynamo-pd-logs-"))
+    print(f"dynamo-pd: logs in {log_dir}", flush=True)
+    if args.memory_fraction:
+        print(f"dynamo-pd: {len(commands) - 1} workers share --gpu-memory-utilization {args.memory_fraction}",
+              flush=True)
     env = dict(os.environ)
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(commands) - 1))))
@@ -161,11 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for command in commands:
-            children.append(subprocess.Popen(command, env=env))
-        asyncio.run(_wait_ready(discovery_url, args.namespace, len(commands) - 1, children))
+            with open(log_dir / f"{child_name(command)}.log", "wb") as log:
+                children.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        asyncio.run(_wait_ready(discovery_url, args.namespace, len(commands) - 1, children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
-        _watch(children)
+        _watch(children, log_dir)
     except KeyboardInterrupt:
         print("dynamo-pd: stopping", flush=True)
     finally:

