@@ -55,18 +55,15 @@ async def test_prefill_killed_mid_stream_of_pulls(kind, ipc_dir):
                     assert torch.equal(token_stream(agent.memory, list(range(32)), 16 * 32), expected)
 
             task = asyncio.create_task(pull_all())
-            deadline = time.monotonic() + 30
-            while agent.memory.buffers[0].abs().sum() == 0 and not task.done():  # the first pull landed
-                assert time.monotonic() < deadline, "first pull never landed"
-                await asyncio.sleep(0.001)
+            async with asyncio.timeout(30):
+                while agent.memory.buffers[0].abs().sum() == 0 and not task.done():  # the first pull landed
+                    await asyncio.sleep(0.001)
             assert not task.done() or task.exception() is None, task.exception()
             await asyncio.to_thread(peer.kill)
             with pytest.raises(PeerLostError):
                 await asyncio.wait_for(task, 30)
-            start = time.monotonic()
-            with pytest.raises(PeerLostError):
-                await agent.pull(descs[-1], list(range(32)))
-            assert time.monotonic() - start < 10
+            with pytest.raises(PeerLostError):  # a bound on hanging, not a speed check
+                await asyncio.wait_for(agent.pull(descs[-1], list(range(32))), 10)
             assert agent.holding() == []
     finally:
         peer.close()
