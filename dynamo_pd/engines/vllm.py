@@ -31,6 +31,8 @@ from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
 class VllmEngine(Engine):
+    publishes_kv_events = True  # vLLM's own ZMQ publisher; KV moves through its KV connector (engine_params)
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.role = config.role

@@ -39,6 +39,8 @@ class _LoadOrder:
 
 
 class NativeEngine(Engine):
+    kv_handoffs = ("pull", "push")
+
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None = None):
         if config.role is EngineRole.DECODE and kv_loader is None:
             raise ValueError("a DECODE NativeEngine needs a kv_loader to import prompt KV")

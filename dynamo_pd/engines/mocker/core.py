@@ -1,0 +1,147 @@
+"""MockerCore: the native engine core with its forward pass replaced by a performance profile.
+
+Everything but the model is the native engine's (engines/native/core.py): admission, chunked prefill,
+max_num_seqs and the token budget, prefix caching with LRU eviction and its KV events, preemption,
+PREFILL holds and DECODE loads, stop conditions and detokenization. `step()` schedules a batch as
+the native engine does and sets `step_s`, how long the profiled model takes for it (divided by the
+speed-up). Instead of K and V it writes each computed token's id into a tiny KV cache in the native
+layout (1 layer, 1 head, 4 floats): not the model's KV, but real blocks for kv_transfer to move and
+for tests to check. Sampled tokens are pseudo-random and deterministic: a hash of the position and
+of the prompt (greedy), the prompt and seed (seeded), or the prompt and request id (else).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+import threading
+import weakref
+from collections.abc import Sequence as Ids
+from pathlib import Path
+
+import torch
+import xxhash
+from transformers import AutoTokenizer
+
+from dynamo_pd.engines.base import EngineConfig
+from dynamo_pd.engines.mocker.profile import Profile
+from dynamo_pd.engines.native.block_manager import BlockManager
+from dynamo_pd.engines.native.config import ModelConfig
+from dynamo_pd.engines.native.core import EngineCore
+from dynamo_pd.engines.native.scheduler import Scheduler
+from dynamo_pd.engines.native.sequence import Sequence
+from dynamo_pd.model_store import resolve_model
+from dynamo_pd.protocol import EngineOutput, TokenLogprob
+from router.hashing import token_bytes
+
+KV_HEAD_DIM = 4  # the tiny stand-in KV: [1 layer, 2, blocks, block_size, 1 head, 4] float32
+_PAIR = struct.Struct("<QQ")
+
+
+class TextTable:
+    """Stands in for the tokenizer: every token's text, decoded once; ids decode to the join of theirs
+    (special tokens to ""). Mocker tokens are `plain` ids (printable ASCII, not special), whose joined
+    text is also what the real tokenizer decodes."""
+
+    def __init__(self, tokenizer) -> None:
+        special = set(tokenizer.all_special_ids)
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.texts = ["" if i in special else text for i, text in enumerate(texts)]
+        self.plain = [i for i, text in enumerate(self.texts) if text and text.isascii() and text.isprintable()]
+
+    def decode(self, ids: Ids[int], skip_special_tokens: bool = True) -> str:  # the tokenizer's signature
+        return "".join(self.texts[i] for i in ids)
+
+
+_tables_lock = threading.Lock()  # many workers of one process start at once: build each table once
+
+
+@functools.cache
+def _text_table(model_dir: Path) -> TextTable:
+    return TextTable(AutoTokenizer.from_pretrained(model_dir))
+
+
+def text_table(model_dir: Path) -> TextTable:
+    with _tables_lock:
+        return _text_table(model_dir)
+
+
+class MockerCore(EngineCore):
+    def __init__(self, config: EngineConfig, profile: Profile, speedup: float = 1.0):
+        # EngineCore's state without its model (its __init__ loads weights): same fields, same meaning.
+        self.config = config
+        self.role = config.role
+        self.profile = profile
+        self.speedup = speedup
+        self.model_dir = resolve_model(config.model)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)  # the served model's vocabulary and context
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"({mc.max_position_embeddings} tokens)")
+        self.tokenizer = text_table(self.model_dir)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        bs = config.block_size
+        # --kv-cache-memory-gb is the simulated GPU's KV memory, in the profiled model's KV bytes
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30) // (profile.kv_bytes_per_token * bs)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache of {config.kv_cache_memory_gb} GiB holds no {bs}-token block")
+        self.kv_cache = torch.zeros((1, 2, num_blocks, bs, 1, KV_HEAD_DIM), dtype=torch.float32)
+        self._kv_slots = self.kv_cache.view(2, num_blocks * bs, KV_HEAD_DIM)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, tuple[Sequence, float]] = {}
+        self.handoff_expiries = 0
+        self.stalled = False
+        self.step_s = 0.0  # simulated duration of the last step
+        self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        self.stalled = not batch
+        if not batch:
+            self.step_s = 0.0
+            return []
+        self.step_s = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch]) / 1e3 / self.speedup
+        self._write_kv(batch)
+        outputs = []
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        for seq, _ in batch:
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            given = seq.request.first_token_id
+            if given is not None and not seq.output_token_ids:  # prefilled here after a failed hand-off
+                outputs.append(self._append(seq, given, None, echo=True))
+            else:
+                outputs.append(self._append(seq, *self._sample(seq)))
+        return outputs
+
+    def _write_kv(self, batch: list[tuple[Sequence, int]]) -> None:
+        bs = self.block_manager.block_size
+        slots, values = [], []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            values += seq.token_ids[start:start + n]
+        self._kv_slots[:, slots] = torch.tensor(values, dtype=torch.float32)[:, None]
+
+    def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
+        h = xxhash.xxh3_64_intdigest(_PAIR.pack(self._key(seq), len(seq.token_ids)))
+        plain = self.tokenizer.plain
+        token = plain[h % len(plain)]
+        top_k = seq.request.sampling.logprobs
+        if top_k is None:
+            return token, None
+        logprob = -(h >> 40) / 2**22  # in (-4, 0]
+        return token, TokenLogprob(token, logprob, [(plain[(h + j) % len(plain)], logprob - j) for j in range(top_k)])
+
+    def _key(self, seq: Sequence) -> int:
+        key = self._keys.get(seq)
+        if key is None:
+            request, sampling = seq.request, seq.request.sampling
+            salt = "" if sampling.greedy else str(sampling.seed) if sampling.seed is not None else request.request_id
+            key = self._keys[seq] = xxhash.xxh3_64_intdigest(token_bytes(request.prompt_token_ids) + salt.encode())
+        return key
