@@ -8,12 +8,21 @@ NATS=${NATS:-nats://127.0.0.1:4222}
 PORT=${PORT:-8000}
 NAMESPACE=${NAMESPACE:-dynamo_pd}
 common=(--discovery "$ETCD" --events "$NATS" --namespace "$NAMESPACE")
-trap 'kill $(jobs -p) 2>/dev/null; wait' INT TERM EXIT
-python -m dynamo_pd.frontend --port "$PORT" "${common[@]}" &
+pids=()
+stop() {  # every process gets SIGTERM; the script exits 0 only if each of them then exits 0
+  local status=$1
+  trap - EXIT
+  kill "${pids[@]}" 2>/dev/null || true
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  exit "$status"
+}
+trap 'stop 0' INT TERM
+trap 'stop $?' EXIT
+python -m dynamo_pd.frontend --port "$PORT" "${common[@]}" & pids+=($!)
 for i in 0 1; do
-  python -m dynamo_pd.prefill "${common[@]}" --kv-transport nixl --kv-handoff push --worker-id "prefill-$i" &
+  python -m dynamo_pd.prefill "${common[@]}" --kv-transport nixl --kv-handoff push --worker-id "prefill-$i" & pids+=($!)
 done
-python -m dynamo_pd.decode "${common[@]}" --kv-transport nixl --worker-id decode-0 &
+python -m dynamo_pd.decode "${common[@]}" --kv-transport nixl --worker-id decode-0 & pids+=($!)
 python - "$PORT" <<'PY'
 import sys, time, urllib.request
 url = f"http://127.0.0.1:{sys.argv[1]}/ready"
