@@ -88,7 +88,8 @@ class Worker:
         cfg = self.config
         engine_class = load_engine_class(cfg.engine)
         if cfg.kv_handoff == "push" and "push" not in engine_class.kv_handoffs:
-            raise SystemExit(f"error: --kv-handoff push does not work with --engine {cfg.engine}: it moves KV its own way")
+            raise SystemExit(f"error: --kv-handoff push needs an engine whose KV this project moves; "
+                             f"{cfg.engine} moves KV its own way")
         if engine_class.publishes_kv_events:  # in their own format (vLLM's ZMQ one)
             # vLLM binds only wildcard or ipc endpoints (it connects to others), and wildcard is every interface
             socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"

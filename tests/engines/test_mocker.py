@@ -1,0 +1,142 @@
+"""The mocker's profile and core: step times against the profile, scheduling limits, and the native
+engine core's prefix-cache, KV-event and abort tests run against MockerCore."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+# The native core's tests, run here on MockerCore (their `small_core` is this module's fixture).
+from test_native_cache import (  # noqa: F401 - collected here
+    assert_no_block_in_use,
+    request,
+    run,
+    test_abort_mid_prefill_and_mid_decode_frees_blocks,
+    test_kv_events_track_stored_and_evicted_blocks,
+    test_repeated_prompt_reuses_blocks_and_salt_isolates,
+    tokens,
+)
+
+from dynamo_pd.engines.base import EngineConfig
+from dynamo_pd.engines.mocker.core import MockerCore
+from dynamo_pd.engines.mocker.profile import (
+    DECODE_BATCH,
+    DECODE_CONTEXT,
+    PREFILL_CACHED,
+    PREFILL_TOKENS,
+    Gpu,
+    ModelShape,
+    Profile,
+    decode_ms,
+    h100_llama8b,
+    prefill_ms,
+)
+from router.hashing import block_hashes
+
+PROFILE = h100_llama8b()
+MODEL, GPU = ModelShape(), Gpu()
+
+
+def mocker_core(speedup: float = 1.0, **config) -> MockerCore:
+    return MockerCore(EngineConfig(**config), PROFILE, speedup)
+
+
+@pytest.fixture(scope="module")
+def small_core():
+    return mocker_core(num_kv_blocks=20)
+
+
+def test_default_profile_is_the_h100_roofline_on_its_grid_and_close_between():
+    assert PROFILE.kv_bytes_per_token == 131072  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    assert PROFILE.decode_time_ms(1, 0) == pytest.approx(6.6, abs=0.05)  # 15.0 GB of weights at 2.68 TB/s + 1 ms
+    assert PROFILE.prefill_time_ms(1024, 0) == pytest.approx(25.6, abs=0.1)  # 15.6 TFLOP at 593 TFLOPS + 1 ms
+    for n in PREFILL_TOKENS:
+        for c in PREFILL_CACHED:
+            assert PROFILE.prefill_time_ms(n, c) == pytest.approx(prefill_ms(MODEL, GPU, n, c), abs=1e-4)
+    for b in DECODE_BATCH:
+        for k in DECODE_CONTEXT:
+            assert PROFILE.decode_time_ms(b, k) == pytest.approx(decode_ms(MODEL, GPU, b, k), abs=1e-4)
+    for n in range(1, 32768, 181):  # between grid points, kinks of the roofline included
+        for c in (0, 300, 3000, 30000, 120000):
+            assert PROFILE.prefill_time_ms(n, c) == pytest.approx(prefill_ms(MODEL, GPU, n, c), rel=0.06), (n, c)
+    for b in range(1, 1024, 13):
+        for k in (0, 50, 700, 5000, 50000):
+            assert PROFILE.decode_time_ms(b, k) == pytest.approx(decode_ms(MODEL, GPU, b, k), rel=0.065), (b, k)
+
+
+def test_a_profile_round_trips_as_json_and_a_malformed_one_is_refused(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_bytes(msgspec.json.encode(PROFILE))
+    assert Profile.load(path) == PROFILE
+    with pytest.raises(ValueError, match="shape"):
+        msgspec.structs.replace(PROFILE, decode_ms=PROFILE.decode_ms[1:])
+    with pytest.raises(ValueError, match="increasing"):
+        msgspec.structs.replace(PROFILE, decode_batch=[1, 1] + PROFILE.decode_batch[2:])
+
+
+def test_a_batch_of_known_size_takes_the_profiled_time():
+    core = mocker_core(speedup=4.0, num_kv_blocks=256)
+    prompts = [[100 + i] * 100 for i in range(8)]  # 8 prompts of 100 tokens: one 800-token prefill step
+    for i, ids in enumerate(prompts):
+        core.add_request(request(f"r{i}", ids, max_tokens=5))
+    outputs = core.step()
+    assert len(outputs) == 8 and all(len(o.token_ids) == 1 for o in outputs)
+    assert core.step_s == pytest.approx(PROFILE.prefill_time_ms(800, 0) / 1e3 / 4)
+    assert core.step_s == pytest.approx(prefill_ms(MODEL, GPU, 800, 0) / 1e3 / 4, rel=0.06)
+    for k in range(4):  # then 4 decode steps of the 8 sequences, each 101 + k tokens into its KV
+        outputs = core.step()
+        assert len(outputs) == 8
+        assert core.step_s == pytest.approx(PROFILE.decode_time_ms(8, 100 + k) / 1e3 / 4)
+        assert core.step_s == pytest.approx(decode_ms(MODEL, GPU, 8, 100 + k) / 1e3 / 4, rel=0.065)
+    assert all(o.finish_reason == "length" for o in outputs) and not core.has_work
+    assert_no_block_in_use(core)
+
+
+def test_max_num_seqs_and_the_token_budget_chunk_prefills_and_time_each_chunk():
+    core = mocker_core(num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        core.add_request(request(f"r{i}", [200 + i] * 100, max_tokens=3))
+    assert core.step() == [] and core.step_s == pytest.approx(PROFILE.prefill_time_ms(64, 0) / 1e3)
+    assert [s.request_id for s in core.scheduler.running] == ["r0"]  # the budget went to r0's first chunk
+    outputs = core.step()  # r0's last 36 tokens after 64 cached, r1's first 28
+    assert [o.request_id for o in outputs] == ["r0"]
+    assert core.step_s == pytest.approx(PROFILE.prefill_time_ms(64, (36 * 64 + 28 * 0) / 64) / 1e3)
+    assert core.seqs["r1"].num_computed_tokens == 28
+    seen_running = []
+    while core.has_work:
+        core.step()
+        seen_running.append(len(core.scheduler.running))
+    assert max(seen_running) == 2, "max_num_seqs caps the running batch"
+    assert_no_block_in_use(core)
+
+
+def test_preemption_when_blocks_run_out_recomputes_the_same_tokens(prompt_ids):
+    requests = [request(f"p{i}", ids, max_tokens=24) for i, ids in enumerate(prompt_ids)]
+    expected = run(mocker_core(num_kv_blocks=64), requests)
+    tiny = mocker_core(num_kv_blocks=8)  # each request fits alone, all four together do not
+    got = run(tiny, requests)
+    assert tiny.scheduler.num_preemptions > 0
+    assert {rid: tokens(o) for rid, o in got.items()} == {rid: tokens(o) for rid, o in expected.items()}
+    assert_no_block_in_use(tiny)
+
+
+def test_tokens_are_deterministic_plain_text_and_the_stand_in_kv_holds_the_prompt(prompt_ids):
+    core = mocker_core(num_kv_blocks=64)
+    ids = prompt_ids[3]
+    first = run(core, [request("a", ids)])["a"]
+    again = run(core, [request("b", ids)])["b"]
+    assert tokens(first) == tokens(again), "greedy: the prompt decides, not the request id"
+    table = core.tokenizer
+    assert set(tokens(first)) <= set(table.plain)
+    assert "".join(o.text for o in first) == table.decode(tokens(first))
+    # the stand-in KV of the prompt's first block, which the prefix cache kept, holds its token ids
+    block = core.block_manager.cached[block_hashes(ids, core.block_manager.block_size)[0]]
+    assert core.kv_cache[0, :, block, :, 0, :].eq(torch.tensor(ids[:16], dtype=torch.float32)[:, None]).all()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="holds no"):
+        mocker_core(kv_cache_memory_gb=0.0001)
+    with pytest.raises(ValueError, match="max_model_len"):
+        mocker_core(max_model_len=10**6)

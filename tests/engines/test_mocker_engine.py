@@ -1,0 +1,121 @@
+"""MockerEngine behind the async contract: the native engine's streaming, cancellation, hand-off,
+lease and load-failure tests run against mockers, and its step and transfer times on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+# The native engine's tests, run here on mockers (their `engines` fixture is this module's).
+from test_native_engine import (  # noqa: F401 - collected here
+    CopyLoader,
+    collect,
+    request,
+    test_cancel_and_closing_the_stream_abort_and_free_blocks,
+    test_decode_rejects_inconsistent_handoff,
+    test_decode_without_handoff_prefills_locally,
+    test_failed_kv_load_ends_with_error_and_frees_blocks,
+    test_handoff_lease_expires,
+    test_prefill_to_decode_handoff_matches_aggregated,
+    test_streams_deltas_concurrently,
+    tokens_of,
+    wait_idle,
+)
+
+from dynamo_pd.engines.base import EngineConfig, EngineRole, RequestContext, create_engine
+from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
+
+SPEEDUP = 20.0
+
+
+async def start_engines(clock=None, speedup: float = SPEEDUP, **config):
+    def make(role, **kw):
+        return MockerEngine(EngineConfig(role=role, num_kv_blocks=48, extra={"speedup": speedup}, **config),
+                            clock=clock, **kw)
+
+    aggregated, prefill = make(EngineRole.AGGREGATED), make(EngineRole.PREFILL)
+    loader = CopyLoader(prefill)
+    decode = loader.target = make(EngineRole.DECODE, kv_loader=loader)
+    for engine in (aggregated, prefill, decode):
+        await engine.start()
+    return aggregated, prefill, decode, loader
+
+
+@pytest.fixture
+async def engines():
+    """Real time, sped up: the clock a deployment uses."""
+    engines = await start_engines()
+    yield engines
+    for engine in engines[:3]:
+        await engine.stop()
+
+
+async def test_the_registry_builds_a_mocker_that_serves_plain_text():
+    engine = create_engine("mocker", EngineConfig(num_kv_blocks=8, extra={"speedup": SPEEDUP}))
+    await engine.start()
+    try:
+        outs = await collect(engine, request("r", [1, 2, 3], max_tokens=4))
+        assert "".join(o.text for o in outs).isprintable() and len(tokens_of(outs)) == 4
+    finally:
+        await engine.stop()
+
+
+async def test_requests_take_the_profiled_time_on_a_fake_clock():
+    clock = FakeClock()
+    aggregated, prefill, decode, _ = engines = await start_engines(clock, speedup=2.0)
+    profile = aggregated.profile
+    try:
+        prompts = [[300 + i] * 64 for i in range(4)]  # 4 x 64 tokens: one 256-token prefill step
+        await asyncio.gather(*[collect(aggregated, request(f"a{i}", ids, max_tokens=6)) for i, ids in enumerate(prompts)])
+        expected = profile.prefill_time_ms(256, 0) + sum(profile.decode_time_ms(4, 64 + k) for k in range(5))
+        assert clock.now() == pytest.approx(expected / 1e3 / 2)
+
+        # Disaggregated: the decode side waits the profiled model's KV transfer, then decodes.
+        (done,) = await collect(prefill, request("p", prompts[0], max_tokens=6))
+        start = clock.now()
+        outs = await collect(decode, request("d", prompts[0], max_tokens=6, handoff=done.handoff,
+                                             first_token_id=done.token_ids[0]))
+        assert len(tokens_of(outs)) == 6
+        transfer_s = 64 * profile.kv_bytes_per_token / (profile.transfer_gb_per_s * 1e9)
+        decode_ms = sum(profile.decode_time_ms(1, 64 + k) for k in range(5))
+        assert clock.now() - start == pytest.approx((transfer_s + decode_ms / 1e3) / 2)
+        await prefill.release_handoff("p")
+        for engine in engines[:3]:
+            await wait_idle(engine)
+    finally:
+        for engine in engines[:3]:
+            await engine.stop()
+
+
+async def test_the_handoff_moves_the_stand_in_kv_of_the_prompt(engines):
+    _, prefill, decode, loader = engines
+    ids = list(range(500, 540))
+    (done,) = await collect(prefill, request("p", ids))
+    await collect(decode, request("d", ids, handoff=done.handoff, first_token_id=done.token_ids[0]))
+    local_blocks = loader.calls[-1][0]
+    got = decode.kv_cache[0, 0, local_blocks, :, 0, 0].flatten()[:len(ids)]
+    assert got.tolist() == [float(t) for t in ids]
+    await prefill.release_handoff("p")
+    await wait_idle(prefill)
+
+
+async def test_stop_ends_running_requests_and_frees_every_block():
+    engine = MockerEngine(EngineConfig(num_kv_blocks=16, extra={"speedup": 1.0}))
+    await engine.start()
+    stream = engine.generate(request("long", [7] * 40, max_tokens=100), RequestContext("long"))
+    assert (await anext(stream)).token_ids
+    await engine.stop()
+    rest = [out async for out in stream]
+    assert rest[-1].finish_reason == "abort"
+    assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"speedup": 0}, "speedup must be positive"),
+    ({"speeedup": 2}, "unknown mocker option"),
+    ({"profile": "/nonexistent.json"}, "nonexistent"),
+])
+def test_bad_mocker_options_are_refused(extra, message):
+    with pytest.raises((ValueError, OSError), match=message):
+        MockerEngine(EngineConfig(extra=extra))
