@@ -46,12 +46,15 @@ from kv_transfer.protocol import (
     Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
 )
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer
-from kv_transfer.transports import ByteSink, TransferConfig, block_frames, make_transport, stream_frames
+from kv_transfer.transports import (
+    ByteSink, TransferConfig, block_frames, make_transport, stream_frames, to_the_end,
+)
 
 log = logging.getLogger(__name__)
 
 OnRelease = Callable[[str, ReleaseReason, bytes], None]  # (request id, why, the peer's Finish payload)
 _ENDED_MEMORY = 4096  # recently ended holds remembered, to tell "expired" from "freed"
+MAX_RESERVED = 4096  # push mode: unclaimed Reserves kept at once; more are refused
 _SWEEP_S = 0.02
 
 
@@ -63,6 +66,8 @@ class _Hold:
     pinned: bool = False
     cancelled: bool = False
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # packed copies peers may still read
+    busy: int = 0  # Fetch / Pack / Write copies touching the blocks now (the side channel serves concurrently)
+    ending: tuple[ReleaseReason, bytes] | None = None  # ended while busy: the last copy releases it
 
 
 class KVTransferAgent:
@@ -78,6 +83,7 @@ class KVTransferAgent:
         self._server: SideChannelServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._push_targets: dict[str, asyncio.Future] = {}  # push mode: request id -> Reserve's target
+        self._reserved_until: dict[str, float] = {}  # unclaimed Reserves: request id -> local expiry (monotonic)
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # push mode: rooms the prefill stopped waiting on
 
     @property
@@ -167,13 +173,19 @@ class KVTransferAgent:
             self._ended[request_id] = reason
             while len(self._ended) > _ENDED_MEMORY:
                 self._ended.popitem(last=False)
+            if hold.busy:  # a copy still reads or writes the blocks: they are released once it is done
+                hold.ending = (reason, payload)
+                return True
+        self._release(request_id, hold, reason, payload)
+        return True
+
+    def _release(self, request_id: str, hold: _Hold, reason: ReleaseReason, payload: bytes) -> None:
         for cleanup in hold.cleanups:
             cleanup()
         try:
             hold.on_release(request_id, reason, payload)
         except Exception:
             log.exception("on_release(%r, %s) raised", request_id, reason)
-        return True
 
     async def _sweep(self) -> None:
         while True:
@@ -183,9 +195,10 @@ class KVTransferAgent:
                 expired = [rid for rid, h in self._holds.items() if h.deadline < now]
             for rid in expired:
                 self._end(rid, ReleaseReason.EXPIRED)
-            for rid, target in list(self._push_targets.items()):  # Reserves nobody came for
-                if target.done() and target.result().lease_deadline < time.time():
-                    del self._push_targets[rid]
+            for rid, until in list(self._reserved_until.items()):  # Reserves nobody came for
+                if until < now:
+                    del self._reserved_until[rid]
+                    self._push_targets.pop(rid, None)
 
     def _missing(self, request_id: str) -> Reply:
         reason = self._ended.get(request_id)
@@ -199,13 +212,7 @@ class KVTransferAgent:
         if isinstance(request, GetMetadata):
             return Reply(True, payload=self.transport.metadata())
         if isinstance(request, Reserve):
-            if request.request_id in self._abandoned:  # tell the decode side now, not when its lease ends
-                return Reply(False, "expired", f"{self.engine_id} stopped waiting to push {request.request_id!r}")
-            target = self._push_target(request.request_id)
-            if target.done():
-                return Reply(False, "bad_request", f"blocks for {request.request_id!r} were already reserved")
-            target.set_result(request.target)
-            return Reply(True)
+            return self._reserve(request)
         with self._lock:
             hold = self._holds.get(request.request_id)
         if hold is not None and hold.deadline < time.monotonic():  # expired, the sweeper not yet by
@@ -220,7 +227,9 @@ class KVTransferAgent:
             if hold.pinned:
                 return Reply(False, "freed", f"{request.request_id!r} is already being transferred")
             hold.pinned = True
-            hold.deadline = time.monotonic() + request.timeout_s + self.config.timeout_s
+            # The peer's timeout is capped by ours (and NaN, negative or huge ones replaced by it).
+            took = request.timeout_s if 0 < request.timeout_s < self.config.timeout_s else self.config.timeout_s
+            hold.deadline = time.monotonic() + took + self.config.timeout_s
             return Reply(True)
         if isinstance(request, Finish):
             reason = ReleaseReason.DONE if request.ok else ReleaseReason.ERROR
@@ -235,6 +244,37 @@ class KVTransferAgent:
             return Reply(False, "bad_request", f"{type(request).__name__} before Begin for {request.request_id!r}")
         if not set(request.block_ids) <= set(hold.desc.block_ids):
             return Reply(False, "bad_request", f"blocks {request.block_ids} are not held for {request.request_id!r}")
+        if isinstance(request, Write) and not hold.desc.writable:
+            return Reply(False, "bad_request", f"blocks of {request.request_id!r} are not writable")
+        with self._lock:
+            hold.busy += 1
+        try:
+            return await self._copy(request, frames, send, hold)
+        finally:
+            with self._lock:
+                hold.busy -= 1
+                ending = hold.ending if hold.busy == 0 else None
+            if ending is not None:
+                self._release(request.request_id, hold, *ending)
+
+    def _reserve(self, request: Reserve) -> Reply:
+        rid, target = request.request_id, request.target
+        if target.request_id != rid or not target.writable:
+            return Reply(False, "bad_request", f"Reserve for {rid!r} carries no writable target for it")
+        if rid in self._abandoned:  # tell the decode side now, not when its lease ends
+            return Reply(False, "expired", f"{self.engine_id} stopped waiting to push {rid!r}")
+        room = self._push_target(rid)
+        if room.done():
+            return Reply(False, "bad_request", f"blocks for {rid!r} were already reserved")
+        if len(self._reserved_until) >= MAX_RESERVED:
+            return Reply(False, "bad_request", f"{self.engine_id} has {MAX_RESERVED} unclaimed reservations")
+        room.set_result(target)
+        # Kept until the peer's lease ends, but never longer than this side's own bound.
+        left = target.lease_deadline - time.time()
+        self._reserved_until[rid] = time.monotonic() + (left if left < self.config.reserve_s else self.config.reserve_s)
+        return Reply(True)
+
+    async def _copy(self, request: Fetch | Pack | Write, frames: list, send, hold: _Hold) -> Reply:
         rows = block_regions(self.memory.layout, np.asarray(request.block_ids))
         if isinstance(request, Fetch):
             frames, buffer = await asyncio.to_thread(block_frames, self.memory, request.block_ids, rows,
@@ -250,8 +290,6 @@ class KVTransferAgent:
             hold.cleanups.append(lambda: (unexpose(), STAGING.give(buffer)))
             return Reply(True, payload=buffer.data_ptr().to_bytes(8, "little") + metadata)
         elif isinstance(request, Write):
-            if not hold.desc.writable:
-                return Reply(False, "bad_request", f"blocks of {request.request_id!r} are not writable")
             sink = ByteSink(self.memory, request.block_ids, rows)
             await asyncio.to_thread(lambda: (sink.write_frames(frames), sink.finish()))
         return Reply(True)
@@ -302,6 +340,7 @@ class KVTransferAgent:
             raise PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s") from None
         finally:
             self._push_targets.pop(request_id, None)
+            self._reserved_until.pop(request_id, None)
             if not target.done():  # timed out or cancelled: a late Reserve is refused at once
                 self._abandoned[request_id] = None
                 while len(self._abandoned) > _ENDED_MEMORY:
@@ -343,7 +382,7 @@ class KVTransferAgent:
             raise
         raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout))
         if finish is not None:
-            await asyncio.to_thread(finish)
+            await to_the_end(asyncio.to_thread(finish))
         return plan.nbytes
 
     async def _finish(self, desc: TransferDescriptor, ok: bool, message: str, timeout: float) -> None:

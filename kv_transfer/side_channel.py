@@ -6,6 +6,8 @@ Wire format (every message is multipart):
     server -> client  [call_id, b"D", *data frames]   zero or more, ZMQ pull streams only
                       [call_id, b"R", msgpack(Reply)] exactly one, ends the call
 Every wait is bounded: a call that sees no message for `timeout` seconds raises PeerLostError.
+The server answers each request in its own task, so a Begin or Finish never waits behind a bulk copy;
+malformed messages are counted and dropped. A client keeps at most MAX_IDLE idle connections.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -24,6 +28,7 @@ from kv_transfer.protocol import PeerLostError, Reply, Request
 log = logging.getLogger(__name__)
 
 DATA, REPLY = b"D", b"R"
+MAX_IDLE = 64  # idle peer connections a client keeps; older idle ones close (peers come and go)
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _encoder = msgspec.msgpack.Encoder()
@@ -48,35 +53,48 @@ class SideChannelServer:
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._handler = handler
         self._task: asyncio.Task | None = None
+        self._answers: set[asyncio.Task] = set()
+        self.malformed = 0  # messages dropped or refused as unreadable
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
         while True:
-            identity, call_id, body, *frames = await self._socket.recv_multipart(copy=False)
-            peer = [identity.bytes, call_id.bytes]
+            message = await self._socket.recv_multipart(copy=False)
+            if len(message) < 3:  # [identity, call id, body] at least: nothing to answer
+                self.malformed += 1
+                log.warning("side channel dropped a %d-frame message", len(message))
+                continue
+            task = asyncio.get_running_loop().create_task(self._answer(*message))
+            self._answers.add(task)
+            task.add_done_callback(self._answers.discard)
+
+    async def _answer(self, identity: zmq.Frame, call_id: zmq.Frame, body: zmq.Frame, *frames: zmq.Frame) -> None:
+        peer = [identity.bytes, call_id.bytes]
+        try:
+            request = _request_decoder.decode(body.buffer)
+        except msgspec.DecodeError as e:
+            self.malformed += 1
+            reply = Reply(False, "bad_request", f"undecodable request: {e}")
+        else:
+            async def send_data(data: Sequence) -> None:
+                await self._socket.send_multipart([*peer, DATA, *data], copy=False)
             try:
-                request = _request_decoder.decode(body.buffer)
-            except msgspec.DecodeError as e:
-                reply = Reply(False, "bad_request", f"undecodable request: {e}")
-            else:
-                async def send_data(data: Sequence, _peer=peer) -> None:
-                    await self._socket.send_multipart([*_peer, DATA, *data], copy=False)
-                try:
-                    reply = await self._handler(request, frames, send_data)
-                except Exception as e:  # a bad request must not kill the server
-                    log.exception("side channel handler failed on %r", type(request).__name__)
-                    reply = Reply(False, "bad_request", f"{type(e).__name__}: {e}")
-            try:
-                await self._socket.send_multipart([*peer, REPLY, _encoder.encode(reply)])
-            except zmq.ZMQError as e:  # the client went away; its lease handles the rest
-                log.warning("side channel reply not delivered: %s", e)
+                reply = await self._handler(request, list(frames), send_data)
+            except Exception as e:  # a bad request must not kill the server
+                log.exception("side channel handler failed on %r", type(request).__name__)
+                reply = Reply(False, "bad_request", f"{type(e).__name__}: {e}")
+        try:
+            await self._socket.send_multipart([*peer, REPLY, _encoder.encode(reply)])
+        except zmq.ZMQError as e:  # the client went away; its lease handles the rest
+            log.warning("side channel reply not delivered: %s", e)
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._answers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         # close() releases the endpoint later, in ZMQ's reaper thread; unbind() releases it now, so
         # an agent started right after this one under the same inproc name can bind it.
         try:
@@ -86,29 +104,51 @@ class SideChannelServer:
         self._socket.close(linger=0)
 
 
+@dataclass(eq=False)
+class _Connection:
+    socket: zmq.asyncio.Socket
+    reader: asyncio.Task
+    calls: int = 0  # calls in flight on it
+    retired: bool = False  # forgotten: closes when its last call ends
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.socket.close(linger=0)
+
+
 class SideChannelClient:
     """One DEALER per peer endpoint, replies routed to calls by call id."""
 
     def __init__(self) -> None:
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
-        self._readers: dict[str, asyncio.Task] = {}
+        self._connections: OrderedDict[str, _Connection] = OrderedDict()  # least recently used first
         self._calls: dict[bytes, asyncio.Queue] = {}
         self._ids = itertools.count(1)
+        self._retired: set[_Connection] = set()  # forgotten, closing once their calls end
+        self.malformed = 0  # replies dropped as unreadable
 
-    def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        if endpoint not in self._sockets:
+    def _connect(self, endpoint: str) -> _Connection:
+        conn = self._connections.get(endpoint)
+        if conn is None:
             sock = _context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.connect(endpoint)
-            self._sockets[endpoint] = sock
-            self._readers[endpoint] = asyncio.get_running_loop().create_task(self._read(sock))
-        return self._sockets[endpoint]
+            conn = self._connections[endpoint] = _Connection(sock, asyncio.get_running_loop().create_task(self._read(sock)))
+            idle = [e for e, c in self._connections.items() if c.calls == 0 and c is not conn]
+            for old in idle[: max(0, len(self._connections) - MAX_IDLE)]:
+                self.forget(old)
+        self._connections.move_to_end(endpoint)
+        return conn
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            call_id, kind, *rest = await sock.recv_multipart(copy=False)
+            message = await sock.recv_multipart(copy=False)
+            if len(message) < 2:
+                self.malformed += 1
+                log.warning("side channel client dropped a %d-frame reply", len(message))
+                continue
+            call_id, kind, *rest = message
             queue = self._calls.get(call_id.bytes)
             if queue is not None:  # else: a call that already timed out
                 queue.put_nowait((kind.bytes, rest))
@@ -125,8 +165,10 @@ class SideChannelClient:
         call_id = next(self._ids).to_bytes(8, "little")
         queue: asyncio.Queue = asyncio.Queue()
         self._calls[call_id] = queue
+        conn = self._connect(endpoint)
+        conn.calls += 1
         try:
-            await self._socket(endpoint).send_multipart([call_id, _encoder.encode(request), *frames], copy=False)
+            await conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False)
             while True:
                 try:
                     kind, rest = await asyncio.wait_for(queue.get(), timeout)
@@ -135,24 +177,41 @@ class SideChannelClient:
                         f"no answer from {endpoint} to {type(request).__name__} within {timeout:.1f}s"
                     ) from None
                 if kind == REPLY:
-                    return _reply_decoder.decode(rest[0].buffer)
+                    try:
+                        return _reply_decoder.decode(rest[0].buffer)
+                    except (IndexError, msgspec.DecodeError) as e:
+                        self.malformed += 1
+                        raise PeerLostError(f"{endpoint} answered {type(request).__name__} unreadably: {e}") from None
                 if on_data is None:
                     raise PeerLostError(f"{endpoint} streamed data for a call that expects none")
                 on_data(rest)
         finally:
             del self._calls[call_id]
+            conn.calls -= 1
+            if conn.retired and conn.calls == 0:
+                self._retired.discard(conn)
+                conn.close()
 
     def forget(self, endpoint: str) -> None:
-        """Drop the connection to a peer that failed, so a restarted peer gets a clean one."""
-        sock = self._sockets.pop(endpoint, None)
-        task = self._readers.pop(endpoint, None)
-        if task:
-            task.cancel()
-        if sock:
-            sock.close(linger=0)
+        """Drop the connection to a peer that failed, so a restarted peer gets a clean one. Calls still
+        in flight on it finish on it (one failed call fails only itself); it closes after the last."""
+        conn = self._connections.pop(endpoint, None)
+        if conn is None:
+            return
+        conn.retired = True
+        if conn.calls == 0:
+            conn.close()
+        else:
+            self._retired.add(conn)
+
+    def connections(self) -> int:
+        """Peer connections open now (idle ones beyond MAX_IDLE are closed as new peers come)."""
+        return len(self._connections)
 
     async def close(self) -> None:
-        tasks = list(self._readers.values())
-        for endpoint in list(self._sockets):
-            self.forget(endpoint)
-        await asyncio.gather(*tasks, return_exceptions=True)
+        conns = [*self._connections.values(), *self._retired]
+        self._connections.clear()
+        self._retired.clear()
+        for conn in conns:  # calls still in flight on them time out (PeerLostError)
+            conn.close()
+        await asyncio.gather(*(c.reader for c in conns), return_exceptions=True)

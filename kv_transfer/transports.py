@@ -39,12 +39,13 @@ class TransferConfig:
     lease_s: float = 30.0  # how long held blocks wait for the peer
     timeout_s: float = 10.0  # longest silence tolerated from a peer during any call or transfer
     frame_bytes: int = 1 << 20  # ZMQ frame size
+    reserve_s: float = 300.0  # push mode: longest an unclaimed Reserve is kept, whatever lease the peer set
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown KV transport {self.transport!r}; choose one of {TRANSPORTS}")
-        if self.lease_s <= 0 or self.timeout_s <= 0 or self.frame_bytes <= 0:
-            raise ValueError(f"lease_s, timeout_s and frame_bytes must be positive: {self}")
+        if min(self.lease_s, self.timeout_s, self.frame_bytes, self.reserve_s) <= 0:
+            raise ValueError(f"lease_s, timeout_s, frame_bytes and reserve_s must be positive: {self}")
 
 
 TRANSPORTS = ("nixl", "zmq", "inproc")
@@ -113,16 +114,32 @@ class InProcessTransport(Transport):
         return peer
 
     async def read(self, desc, plan, timeout) -> None:
-        await asyncio.to_thread(copy_blocks, self._peer(desc), plan.remote_ids, plan.remote_rows,
-                                plan.local, plan.local_ids, plan.local_rows)
+        await to_the_end(asyncio.to_thread(copy_blocks, self._peer(desc), plan.remote_ids, plan.remote_rows,
+                                           plan.local, plan.local_ids, plan.local_rows))
 
     async def write(self, desc, plan, timeout) -> None:
-        await asyncio.to_thread(copy_blocks, plan.local, plan.local_ids, plan.local_rows,
-                                self._peer(desc), plan.remote_ids, plan.remote_rows)
+        await to_the_end(asyncio.to_thread(copy_blocks, plan.local, plan.local_ids, plan.local_rows,
+                                           self._peer(desc), plan.remote_ids, plan.remote_rows))
 
     async def close(self) -> None:
         if _INPROC_MEMORY.get(self.engine_id) is self.memory:
             del _INPROC_MEMORY[self.engine_id]
+
+
+async def to_the_end(aw):
+    """Await `aw` to its end even if the caller is cancelled meanwhile (then re-raise the cancel): a
+    copy in a worker thread or a NIXL transfer goes on regardless, and the memory it touches must not
+    go back to its owner before it ends."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not task.done()
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def copy_blocks(src: KVMemory, src_ids: list[int], src_rows: np.ndarray,
@@ -158,7 +175,7 @@ class ZmqTransport(Transport):
         reply = await self.client.call(desc.endpoint, Fetch(desc.request_id, plan.remote_ids), timeout,
                                        on_data=sink.write_frames)
         raise_for(reply)
-        await asyncio.to_thread(sink.finish)
+        await to_the_end(asyncio.to_thread(sink.finish))
 
     async def write(self, desc, plan, timeout) -> None:
         frames, buffer = await asyncio.to_thread(block_frames, plan.local, plan.local_ids, plan.local_rows,
