@@ -34,6 +34,8 @@ class Metrics:
                                     ["worker"], registry=r)
         self.replica_updates = Gauge("dynamo_pd_router_replica_updates",
                                      "Load updates applied from other frontends' routers, since start", registry=r)
+        self.rpc_connections = Gauge("dynamo_pd_rpc_connections", "Open request-plane connections to workers",
+                                     registry=r)
         self.fallbacks = Counter(
             "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
         )

@@ -167,6 +167,7 @@ class KvRouter:
         token_ids: Sequence[int],
         salt: str | None = None,
         local_prefill: bool = False,
+        hashes: Sequence[int] | None = None,  # the prompt's block_hashes, when the caller has them already
     ) -> RouteDecision:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -180,7 +181,8 @@ class KvRouter:
         uses_overlap = pool != "decode" or local_prefill
         # one dict of every matched worker: cheaper than asking the Overlaps about each pool worker
         matches = (
-            self.indexer.find_matches(block_hashes(token_ids, self.config.block_size, salt)).to_dict()
+            self.indexer.find_matches(
+                block_hashes(token_ids, self.config.block_size, salt) if hashes is None else hashes).to_dict()
             if uses_overlap
             else {}
         )

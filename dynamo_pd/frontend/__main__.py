@@ -43,11 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
     p.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
+    p.add_argument("--inter-token-timeout-s", type=float, default=60.0,
+                   help="end a request (503, its worker's work cancelled) when its worker sends nothing this long "
+                        "after the first token: a wedged engine")
     args = p.parse_args(argv)
     if not (args.discovery.startswith("tcp://") or args.discovery.startswith("etcd://")):
         p.error(f"--discovery must be etcd://HOST:PORT or tcp://HOST:PORT, got {args.discovery!r}")
     if args.events is not None and not args.events.startswith("nats://"):
         p.error(f"--events must be nats://HOST:PORT, got {args.events!r}")
+    if args.inter_token_timeout_s <= 0:
+        p.error(f"--inter-token-timeout-s must be > 0, got {args.inter_token_timeout_s}")
     if not 0 < args.busy_kv_fraction <= 1:
         p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
     return args
@@ -71,7 +76,8 @@ async def run(args: argparse.Namespace) -> None:
                                    overlap_weight=args.overlap_weight, temperature=args.router_temperature,
                                    busy_kv_fraction=args.busy_kv_fraction))
     backend = RemoteBackend(args.model or DEFAULT_MODEL, tokenizer, context_len, discovery, events, router, metrics,
-                            BackendConfig(args.local_prefill_tokens, args.on_prefill_failure), events_url=args.events,
+                            BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
+                                          args.inter_token_timeout_s), events_url=args.events,
                             namespace=args.namespace)
     await backend.start()
     closers[:0] = [backend.close, events.close, discovery.close]

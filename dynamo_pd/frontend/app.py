@@ -62,7 +62,6 @@ class FrontendConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 256
-    disconnect_poll_s: float = 0.25
 
 
 class HTTPError(Exception):
@@ -215,7 +214,7 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
         if body.model != backend.model_name:
             raise HTTPError(404, f"model {body.model!r} does not exist", "invalid_request_error", "model", "model_not_found")
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        gone = asyncio.ensure_future(_wait_disconnect(http, config.disconnect_poll_s))  # watched from arrival on
+        gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         try:
@@ -239,6 +238,7 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
                 raise RuntimeError("the backend returned no output")
             return JSONResponse(oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs))
         except _ClientGone:  # the request is cancelled everywhere already
+            log.info("request %s: the client went away", rid)
             status = "499"
             return Response(status_code=499)
         except Exception as exc:  # StopAsyncIteration too: no first output
@@ -266,9 +266,10 @@ async def _unless_gone(gone: asyncio.Future, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        left = not task.done()
+        if left:
             await cancel_and_wait([task])
-    if task.cancelled():
+    if left:
         raise _ClientGone
     return task.result()
 
@@ -312,9 +313,11 @@ async def _collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
     return [out async for out in stream]
 
 
-async def _wait_disconnect(http: Request, poll_s: float) -> None:
-    while not await http.is_disconnected():
-        await asyncio.sleep(poll_s)
+async def _wait_disconnect(http: Request) -> None:
+    """Return when the client disconnects. Its body is read already, so the next message is that
+    (`Request.is_disconnected` never sees it behind a BaseHTTPMiddleware: it polls under a cancelled scope)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
@@ -335,6 +338,7 @@ async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[Engi
                 yield oai.sse_event(usage_chunk)
     except asyncio.CancelledError:
         status = "499"  # the client went away; closing `stream` cancels the request everywhere
+        log.info("request %s: the client went away mid-stream", rid)
         raise
     except Exception as exc:  # noqa: BLE001 - a stream already started can only report in-band
         error = as_http_error(exc, rid)

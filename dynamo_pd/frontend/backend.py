@@ -35,6 +35,7 @@ from dynamo_pd.metrics import Metrics
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, OverloadedError, Usage, WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from router.hashing import block_hashes
 from router.service import KvRouter, NoWorkers, Overloaded
 
 log = logging.getLogger("dynamo_pd.frontend")
@@ -52,6 +53,7 @@ class KVLoadFailedError(RuntimeError):
 class BackendConfig:
     local_prefill_tokens: int = 0  # decode prefills locally when the uncached prompt is at most this
     on_prefill_failure: Literal["local", "fail"] = "local"
+    inter_token_timeout_s: float = 60.0  # a worker silent this long after its first output is wedged
 
 
 class RemoteBackend:
@@ -64,7 +66,8 @@ class RemoteBackend:
         self._events_url = events_url
         self._load_subject = f"{namespace}.load"
         self.workers: dict[str, WorkerInfo] = {}
-        self.rpc = RpcClient()
+        self.rpc = RpcClient(inter_response_timeout_s=self.config.inter_token_timeout_s)
+        self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes, for every pool
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
         self._tasks: list[asyncio.Task] = []
 
@@ -94,6 +97,7 @@ class RemoteBackend:
         for worker_id in self.workers:
             self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexer.blocks_of(worker_id))
         self.metrics.replica_updates.set(self.replicas.applied)
+        self.metrics.rpc_connections.set(self.rpc.num_connections)
 
     # ---- membership
 
@@ -109,7 +113,8 @@ class RemoteBackend:
     async def _follow_workers(self) -> None:
         async for kind, info in self.discovery.watch():
             if kind == "removed":
-                if self.workers.pop(info.worker_id, None) is not None:
+                if (left := self.workers.pop(info.worker_id, None)) is not None:
+                    self.rpc.release(left.rpc_endpoint)
                     self.router.remove_worker(info.worker_id)
                     self.metrics.forget_worker(info.worker_id)
                     log.info("worker %s left", info.worker_id)
@@ -148,9 +153,13 @@ class RemoteBackend:
     # ---- requests
 
     def _route(self, pool: str, request: EngineRequest, local_prefill: bool = False):
+        rid = request.request_id
+        if (hashes := self._hashes.get(rid)) is None:  # hashed once, whichever pools the request is routed to
+            hashes = self._hashes[rid] = block_hashes(request.prompt_token_ids, self.router.config.block_size,
+                                                      request.cache_salt)
         try:
-            return self.router.route(pool, request.request_id, request.prompt_token_ids, request.cache_salt,
-                                     local_prefill=local_prefill)
+            return self.router.route(pool, rid, request.prompt_token_ids, request.cache_salt,
+                                     local_prefill=local_prefill, hashes=hashes)
         except (Overloaded, NoWorkers) as exc:
             raise OverloadedError(str(exc)) from exc
 
@@ -164,6 +173,7 @@ class RemoteBackend:
             async for out in stream:
                 yield out
         finally:
+            self._hashes.pop(rid, None)
             self.router.mark_finished(rid)
 
     async def _stream(self, worker_id: str, request: EngineRequest, context: RequestContext,
