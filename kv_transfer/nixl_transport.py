@@ -7,6 +7,12 @@ initialize_xfer over the coalesced regions (one descriptor per run of consecutiv
 layer/K/V), polled with growing sleeps on the event loop (check_xfer_state never blocks) until
 done, failed or `timeout` runs out. Scattered small regions are read packed: the holder gathers
 them into one registered buffer on request (Pack) and the reader issues a single descriptor.
+
+A transfer that failed, timed out or was cancelled returns (and its memory goes back to its owner)
+only once NIXL reports it ended: releasing a handle in progress does not stop UCX (its backend frees
+the request, the bytes still land), and removing the remote agent only makes NIXL stop reporting
+on it. One that does not end within `timeout_s` more is stopped by destroying the NIXL agent (a
+fresh one takes its name); a remote agent is removed only when no transfer to it runs.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 import uuid
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -24,7 +33,7 @@ import torch
 from kv_transfer.memory import STAGING, KVMemory
 from kv_transfer.plan import TransferPlan
 from kv_transfer.protocol import GetMetadata, Pack, PeerLostError, TransferDescriptor, TransferError, raise_for
-from kv_transfer.transports import Transport, packed
+from kv_transfer.transports import Transport, packed, to_the_end
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +57,21 @@ class NixlTransport(Transport):
 
     def __init__(self, memory, engine_id, client, config):
         super().__init__(memory, engine_id, client, config)
-        nixl_agent, nixl_agent_config = _nixl_api()
+        _nixl_api()
         self._name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
-        self._registration = self._agent.register_memory(memory.buffers)
+        self._new_agent()
         self._peers: set[str] = set()
+        self._active: Counter[str] = Counter()  # transfers in flight per peer agent
+        self._stale: set[str] = set()  # peers to remove once their transfers are over
         self._etcd = None
+        self.torn_down = 0  # NIXL agents destroyed because a transfer would not end
+
+    def _new_agent(self) -> None:
+        nixl_agent, nixl_agent_config = _nixl_api()
+        self._agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
+        self._registration = self._agent.register_memory(self.memory.buffers)
+        self._destroyed = asyncio.Event()  # set once the NIXL agent (and its UCX worker) is gone
+        weakref.finalize(self._agent, self._destroyed.set)
 
     @property
     def agent_name(self) -> str:
@@ -114,14 +132,15 @@ class NixlTransport(Transport):
         try:
             local = np.array([[buffer.data_ptr(), nbytes, 0]], dtype=np.uint64)
             await self._transfer("READ", peer, buffer, local, remote, "DRAM", timeout)
-            await asyncio.to_thread(plan.local.scatter, plan.local_ids, buffer[:nbytes])
+            await to_the_end(asyncio.to_thread(plan.local.scatter, plan.local_ids, buffer[:nbytes]))
         finally:
             STAGING.give(buffer)
 
     def expose(self, buffer: torch.Tensor) -> tuple[bytes, Callable[[], None]]:
         registration = self._agent.register_memory([buffer])
         partial = self._agent.get_partial_agent_metadata(registration, False)
-        return partial, lambda: self._agent.deregister_memory(registration)
+        agent = weakref.ref(self._agent)  # a torn-down agent took the registration with it
+        return partial, lambda: (a := agent()) is not None and a.deregister_memory(registration)
 
     async def _transfer(self, op: str, peer: str, local_memory: KVMemory | torch.Tensor, local: np.ndarray,
                         remote: np.ndarray, remote_mem_type: str, timeout: float) -> None:
@@ -131,44 +150,97 @@ class NixlTransport(Transport):
             tensors, mem_type = local_memory.buffers, local_memory.mem_type
         else:
             tensors, mem_type = [local_memory], "DRAM"
-        registration = None if local_memory is self.memory else self._agent.register_memory(tensors)
+        agent, destroyed = self._agent, self._destroyed  # a handle belongs to the agent that made it
+        registration = None if local_memory is self.memory else agent.register_memory(tensors)
         handle = None
+        self._active[peer] += 1
         try:
-            local_descs = self._agent.get_xfer_descs(local, mem_type)
-            remote_descs = self._agent.get_xfer_descs(remote, remote_mem_type)
-            handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer)
-            state = self._agent.transfer(handle)
-            deadline, delay = time.monotonic() + timeout, 0.0001
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise PeerLostError(f"NIXL {op} from {peer} not done within {timeout:.1f}s")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.002)
-                state = self._agent.check_xfer_state(handle)
+            local_descs = agent.get_xfer_descs(local, mem_type)
+            remote_descs = agent.get_xfer_descs(remote, remote_mem_type)
+            handle = agent.initialize_xfer(op, local_descs, remote_descs, peer)
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            state = await self._poll(agent, handle, state, deadline)
+            if agent is not self._agent:
+                raise PeerLostError(f"NIXL {op} with {peer} stopped: its NIXL agent was torn down")
+            if state == "PROC":
+                raise PeerLostError(f"NIXL {op} from {peer} not done within {timeout:.1f}s")
             if state != "DONE":
                 raise PeerLostError(f"NIXL {op} with {peer} failed (state {state})")
-        except PeerLostError:
+        except BaseException as e:
+            if handle is not None:  # the memory goes back to its owner only once the transfer ended
+                settled = await to_the_end(self._settle(agent, handle))
+                if not settled:  # drop every reference this call has to the agent, then destroy it
+                    traceback.clear_frames(e.__traceback__)
+                    handle = registration = agent = None
+                    await to_the_end(self._destroy(destroyed))
             self._forget(peer)
-            raise
-        except Exception as e:  # NIXL raises its own errors for unreachable or invalid peers
-            self._forget(peer)
+            if isinstance(e, (TransferError, asyncio.CancelledError)) or not isinstance(e, Exception):
+                raise
             raise PeerLostError(f"NIXL {op} with {peer} failed: {e}") from e
         finally:
-            if handle is not None:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except Exception as e:  # an active transfer to a dead peer may refuse to cancel
-                    log.warning("NIXL transfer handle not released: %s", e)
+            self._active[peer] -= 1
+            if not self._active[peer]:
+                del self._active[peer]
+                if peer in self._stale:
+                    self._forget(peer)
+            if handle is not None:  # ended: releasing it frees NIXL's request and nothing else
+                agent.release_xfer_handle(handle)
             if registration is not None:
-                self._agent.deregister_memory(registration)
+                agent.deregister_memory(registration)
+
+    async def _poll(self, agent, handle, state: str, deadline: float) -> str:
+        """Poll with growing sleeps until the transfer leaves PROC, `deadline` passes or `agent` is torn
+        down. NIXL raises on a transfer the backend failed (NIXL_ERR_REMOTE_DISCONNECT: UCX failed the
+        endpoint and every request on it) or whose peer NIXL invalidated after such a failure (this
+        transport removes none while transfers to it run): both mean it ended, as "ERR"."""
+        delay = 0.0001
+        while state == "PROC" and time.monotonic() < deadline and agent is self._agent:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.002)
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as e:  # noqa: BLE001 - NIXL's status errors
+                return f"ERR ({type(e).__name__}: {e})"
+        return state
+
+    async def _settle(self, agent, handle) -> bool:
+        """After a failure: True once the transfer is known to have ended, False if it still runs after
+        timeout_s more (or its agent was torn down meanwhile)."""
+        state = await self._poll(agent, handle, "PROC", time.monotonic() + self.config.timeout_s)
+        return state != "PROC" and agent is self._agent
+
+    async def _destroy(self, destroyed: asyncio.Event) -> None:
+        """Stop transfers that will not end: destroy their NIXL agent, so its UCX worker moves no more
+        bytes into memory about to be reused, and start a fresh one under the same name. Transfers
+        still polling the old agent notice, give it up and wait here too, until it is gone."""
+        if destroyed is self._destroyed:  # the first to give up on this agent replaces it
+            log.error("a NIXL transfer of %s does not end; destroying its NIXL agent", self._name)
+            self.torn_down += 1
+            self._new_agent()
+            self._peers.clear()
+            self._stale.clear()
+            if self._etcd is not None:  # peers fetch the fresh agent's metadata by the same name
+                await self._etcd.put((ETCD_PREFIX + self._name).encode(), self.metadata())
+        try:
+            await asyncio.wait_for(destroyed.wait(), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            log.error("the old NIXL agent of %s is still referenced; a stopped transfer may yet land", self._name)
 
     def _forget(self, peer: str) -> None:
-        if peer in self._peers:
-            self._peers.discard(peer)
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception as e:
-                log.warning("NIXL remove_remote_agent(%s): %s", peer, e)
+        """Remove a failed peer's agent, so the next transfer loads its metadata afresh; while other
+        transfers to it run, only after the last (removing it would blind NIXL to their end)."""
+        if peer not in self._peers:
+            return
+        if self._active[peer]:
+            self._stale.add(peer)
+            return
+        self._peers.discard(peer)
+        self._stale.discard(peer)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:
+            log.warning("NIXL remove_remote_agent(%s): %s", peer, e)
 
     async def close(self) -> None:
         for peer in list(self._peers):
