@@ -2,7 +2,9 @@
 
 Every placement, prefill-done and finish a router makes is published as a LoadUpdate; the other
 replicas apply it to their own LoadTracker under a key prefixed by the sender's router id. Workers'
-LoadMetrics still correct everything (router.load), so a replica that dies leaves no lasting error.
+LoadMetrics still correct everything (router.load), so a replica that dies leaves no lasting error;
+a remote placement whose finish never arrives (lost on the way, or its replica died) expires after
+`placement_ttl_s`, so they do not pile up.
 
 Transports (the event plane): ZMQ PUB/SUB by default (each replica binds one PUB socket and connects
 to the peers' endpoints), NATS (one subject) when configured.
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from typing import Any, Coroutine, Literal
 
 import msgspec
@@ -43,16 +47,20 @@ _decoder = msgspec.msgpack.Decoder(LoadUpdate)
 
 
 class ReplicaSync:
-    def __init__(self, tracker: LoadTracker, router_id: str) -> None:
+    def __init__(self, tracker: LoadTracker, router_id: str, placement_ttl_s: float = 600.0) -> None:
         self.tracker = tracker
         self.router_id = router_id
+        self.placement_ttl_s = placement_ttl_s  # longer than any request; workers' reports correct the rest
         self.applied = 0
+        self.expired = 0  # remote placements dropped because their finish never came
+        self._remote: OrderedDict[str, float] = OrderedDict()  # remote placement key -> expiry, oldest first
         self._task: asyncio.Task | None = None
         self._sends: set[asyncio.Task] = set()  # referenced until done, or the loop may drop them
 
     def publish(
         self, kind: str, key: str, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
     ) -> None:
+        self.expire()
         self._send(_encoder.encode(LoadUpdate(self.router_id, kind, key, worker_id, prefill_tokens, blocks)))
 
     def apply(self, data: bytes) -> None:
@@ -63,6 +71,7 @@ class ReplicaSync:
             return
         if update.router_id == self.router_id:
             return
+        self.expire()
         key = f"{update.router_id}/{update.key}"
         if update.kind == "place":
             try:
@@ -70,11 +79,21 @@ class ReplicaSync:
             except (KeyError, ValueError) as exc:  # a worker this replica has not discovered yet
                 log.debug("load update from %s not applied: %s", update.router_id, exc)
                 return
+            self._remote[key] = time.monotonic() + self.placement_ttl_s
         elif update.kind == "prefill_done":
             self.tracker.prefill_done(key)
         else:
             self.tracker.finish(key)
+            self._remote.pop(key, None)
         self.applied += 1
+
+    def expire(self) -> None:
+        """Drop remote placements older than placement_ttl_s (their finish was lost)."""
+        now = time.monotonic()
+        while self._remote and next(iter(self._remote.values())) < now:
+            key, _ = self._remote.popitem(last=False)
+            if self.tracker.finish(key):
+                self.expired += 1
 
     def _send_soon(self, send: Coroutine[Any, Any, None]) -> None:
         """Run an async publish without making the router wait; its failure is logged."""

@@ -2,7 +2,9 @@
 
 import asyncio
 
-from router.replica_sync import NatsReplicaSync, ZmqReplicaSync
+from msgspec import msgpack
+
+from router.replica_sync import LoadUpdate, NatsReplicaSync, ZmqReplicaSync
 from router.service import KvRouter, RouterConfig
 
 PROMPT = list(range(64))
@@ -78,3 +80,26 @@ async def test_replicas_over_nats(nats_url):
     finally:
         await sync_a.stop()
         await sync_b.stop()
+
+
+async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
+    """Router b placed r1 and r2 on w0; the finish of r1 never reaches a. After placement_ttl_s, a's
+    next update (received or sent) drops it; r2, finished in time, is not counted again."""
+    now = [1000.0]
+    monkeypatch.setattr("router.replica_sync.time.monotonic", lambda: now[0])
+    a = replica()
+    sync = ZmqReplicaSync(a.load, "a")
+    sync.placement_ttl_s = 60
+    try:
+        for key in ("r1", "r2"):
+            sync.apply(msgpack.encode(LoadUpdate("b", "place", key, "w0", 64, 4)))
+        sync.apply(msgpack.encode(LoadUpdate("b", "finish", "r2")))
+        assert a.load.load("w0").requests == 1
+        now[0] += 59
+        sync.apply(msgpack.encode(LoadUpdate("b", "finish", "unknown")))
+        assert a.load.load("w0").requests == 1 and sync.expired == 0
+        now[0] += 2
+        sync.publish("finish", "local")  # no subscriber: nothing is sent anywhere
+        assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
+    finally:
+        await sync.stop()
