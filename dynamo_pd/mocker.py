@@ -19,7 +19,8 @@ from dynamo_pd.worker import Worker, WorkerConfig, parse_args
 
 
 def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
-    parser = argparse.ArgumentParser(prog="python -m dynamo_pd.mocker", add_help=False)  # --help: the worker's
+    # --help goes on to the worker's parser, which lists every other flag
+    parser = argparse.ArgumentParser(prog="python -m dynamo_pd.mocker", add_help=False)
     parser.add_argument("--workers", type=int, default=1, help="mocker workers in this process")
     parser.add_argument("--role", default="aggregated", choices=[role.value for role in EngineRole])
     args, rest = parser.parse_known_args(argv)
@@ -27,7 +28,7 @@ def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
         raise SystemExit(f"error: --workers must be >= 1, got {args.workers}")
     config = parse_args(EngineRole(args.role), ["--engine", "mocker", *rest])
     if config.engine != "mocker":
-        raise SystemExit(f"error: python -m dynamo_pd.mocker runs mocker workers, not --engine {config.engine}")
+        raise SystemExit(f"error: dynamo_pd.mocker runs mocker workers, not --engine {config.engine}")
     return [dataclasses.replace(
         config, worker_id=f"{config.worker_id}-{i}" if config.worker_id else "",
         engine_config=dataclasses.replace(config.engine_config, extra=dict(config.engine_config.extra)),
@@ -45,7 +46,8 @@ async def serve(configs: list[WorkerConfig]) -> None:
         failed = next((result for result in started if isinstance(result, BaseException)), None)
         if failed is not None:
             raise failed
-        print(f"dynamo-pd {len(workers)} mocker {configs[0].engine_config.role.value} workers ready", flush=True)
+        role = configs[0].engine_config.role.value
+        print(f"dynamo-pd {len(workers)} mocker {role} workers ready", flush=True)
         await stop.wait()
     finally:
         await asyncio.gather(*(worker.stop() for worker in workers))

@@ -26,7 +26,8 @@ PROMPTS = [[1000 + 7 * i + j for j in range(40 + 9 * i)] for i in range(8)]  # t
 def mocker_text(ids: list[int], max_tokens: int) -> str:
     """What a mocker answers to a greedy request (the prompt alone decides)."""
     core = MockerCore(EngineConfig(num_kv_blocks=16), h100_llama8b())
-    core.add_request(EngineRequest(request_id="x", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+    core.add_request(EngineRequest(request_id="x", prompt_token_ids=ids,
+                                   sampling=SamplingParams(temperature=0),
                                    stop=StopConditions(max_tokens=max_tokens)))
     text = ""
     while core.has_work:
@@ -39,11 +40,13 @@ def complete(client, ids: list[int], **kwargs):
 
 
 def test_a_mocker_prefill_and_decode_hand_off_through_kv_transfer(tmp_path, openai_client_factory):
-    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--engine", "mocker", "--speedup", "10")
+    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--engine", "mocker",
+                                  "--speedup", "10")
     try:
         client = openai_client_factory(deployment)
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there!"}],
-                                                max_tokens=16, stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi there!"}], max_tokens=16, stream=True,
+            stream_options={"include_usage": True})
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens > 5

@@ -67,7 +67,8 @@ async def test_requests_take_the_profiled_time_on_a_fake_clock():
     profile = aggregated.profile
     try:
         prompts = [[300 + i] * 64 for i in range(4)]  # 4 x 64 tokens: one 256-token prefill step
-        await asyncio.gather(*[collect(aggregated, request(f"a{i}", ids, max_tokens=6)) for i, ids in enumerate(prompts)])
+        await asyncio.gather(*[collect(aggregated, request(f"a{i}", ids, max_tokens=6))
+                               for i, ids in enumerate(prompts)])
         expected = profile.prefill_time_ms(256, 0) + sum(profile.decode_time_ms(4, 64 + k) for k in range(5))
         assert clock.now() == pytest.approx(expected / 1e3 / 2)
 
@@ -103,11 +104,19 @@ async def test_the_handoff_moves_the_stand_in_kv_of_the_prompt(engines):
 async def test_stop_ends_running_requests_and_frees_every_block():
     engine = MockerEngine(EngineConfig(num_kv_blocks=16, extra={"speedup": 1.0}))
     await engine.start()
-    stream = engine.generate(request("long", [7] * 40, max_tokens=100), RequestContext("long"))
-    assert (await anext(stream)).token_ids
+    first = asyncio.Event()
+    outputs = []
+
+    async def consume() -> None:  # waiting for its next token when the engine stops
+        async for out in engine.generate(request("long", [7] * 40, max_tokens=100), RequestContext("long")):
+            outputs.append(out)
+            first.set()
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 10)
     await engine.stop()
-    rest = [out async for out in stream]
-    assert rest[-1].finish_reason == "abort"
+    await asyncio.wait_for(consumer, 10)
+    assert outputs[-1].finish_reason == "abort" and len(outputs) < 100
     assert engine.stats.num_free_blocks == engine.stats.num_total_blocks
 
 

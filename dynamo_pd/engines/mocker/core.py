@@ -16,7 +16,6 @@ import functools
 import struct
 import threading
 import weakref
-from collections.abc import Sequence as Ids
 from pathlib import Path
 
 import torch
@@ -40,16 +39,16 @@ _PAIR = struct.Struct("<QQ")
 
 class TextTable:
     """Stands in for the tokenizer: every token's text, decoded once; ids decode to the join of theirs
-    (special tokens to ""). Mocker tokens are `plain` ids (printable ASCII, not special), whose joined
-    text is also what the real tokenizer decodes."""
+    (special tokens to ""). Mocker tokens are `plain` ids (printable ASCII, not added tokens), whose
+    joined text is what the real tokenizer decodes."""
 
     def __init__(self, tokenizer) -> None:
-        special = set(tokenizer.all_special_ids)
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        self.texts = ["" if i in special else text for i, text in enumerate(texts)]
-        self.plain = [i for i, text in enumerate(self.texts) if text and text.isascii() and text.isprintable()]
+        self.texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True)
+        added = tokenizer.added_tokens_decoder  # special or not, never plain text
+        self.plain = [i for i, text in enumerate(self.texts)
+                      if text and text.isascii() and text.isprintable() and i not in added]
 
-    def decode(self, ids: Ids[int], skip_special_tokens: bool = True) -> str:  # the tokenizer's signature
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:  # the tokenizer's signature
         return "".join(self.texts[i] for i in ids)
 
 
@@ -74,7 +73,7 @@ class MockerCore(EngineCore):
         self.profile = profile
         self.speedup = speedup
         self.model_dir = resolve_model(config.model)
-        self.model_config = mc = ModelConfig.from_dir(self.model_dir)  # the served model's vocabulary and context
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)  # the served model's vocabulary
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
@@ -83,7 +82,8 @@ class MockerCore(EngineCore):
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         bs = config.block_size
         # --kv-cache-memory-gb is the simulated GPU's KV memory, in the profiled model's KV bytes
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30) // (profile.kv_bytes_per_token * bs)
+        kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+        num_blocks = config.num_kv_blocks or kv_bytes // (profile.kv_bytes_per_token * bs)
         if num_blocks < 1:
             raise ValueError(f"KV cache of {config.kv_cache_memory_gb} GiB holds no {bs}-token block")
         self.kv_cache = torch.zeros((1, 2, num_blocks, bs, 1, KV_HEAD_DIM), dtype=torch.float32)
@@ -103,7 +103,8 @@ class MockerCore(EngineCore):
         if not batch:
             self.step_s = 0.0
             return []
-        self.step_s = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch]) / 1e3 / self.speedup
+        step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])
+        self.step_s = step_ms / 1e3 / self.speedup
         self._write_kv(batch)
         outputs = []
         for seq, n in batch:
@@ -136,12 +137,15 @@ class MockerCore(EngineCore):
         if top_k is None:
             return token, None
         logprob = -(h >> 40) / 2**22  # in (-4, 0]
-        return token, TokenLogprob(token, logprob, [(plain[(h + j) % len(plain)], logprob - j) for j in range(top_k)])
+        top = [(plain[(h + j) % len(plain)], logprob - j) for j in range(top_k)]  # the sampled token first
+        return token, TokenLogprob(token, logprob, top)
 
     def _key(self, seq: Sequence) -> int:
         key = self._keys.get(seq)
         if key is None:
             request, sampling = seq.request, seq.request.sampling
-            salt = "" if sampling.greedy else str(sampling.seed) if sampling.seed is not None else request.request_id
-            key = self._keys[seq] = xxhash.xxh3_64_intdigest(token_bytes(request.prompt_token_ids) + salt.encode())
+            seed = request.request_id if sampling.seed is None else str(sampling.seed)
+            salt = "" if sampling.greedy else seed
+            key = xxhash.xxh3_64_intdigest(token_bytes(request.prompt_token_ids) + salt.encode())
+            self._keys[seq] = key
         return key

@@ -80,11 +80,12 @@ class MockerEngine(Engine):
             raise ValueError("a DECODE MockerEngine needs a kv_loader to import prompt KV")
         unknown = sorted(set(config.extra) - _OPTIONS)
         if unknown:
-            raise ValueError(f"unknown mocker option(s) {', '.join(unknown)}: it takes --profile PATH, --speedup X")
+            raise ValueError(f"unknown mocker option(s) {', '.join(unknown)}: "
+                             f"it takes --profile PATH and --speedup X")
         self.speedup = float(config.extra.get("speedup", 1.0))
         if not self.speedup > 0:
             raise ValueError(f"--speedup must be positive, got {config.extra['speedup']!r}")
-        self.profile: Profile = Profile.load(config.extra["profile"]) if "profile" in config.extra else h100_llama8b()
+        self.profile = Profile.load(config.extra["profile"]) if "profile" in config.extra else h100_llama8b()
         self.config = config
         self.role = config.role
         self.kv_loader = kv_loader
@@ -109,14 +110,14 @@ class MockerEngine(Engine):
     async def stop(self) -> None:
         if self._task is None:
             return
-        await cancel_and_wait([self._task])
-        self._task = None
-        core = self._core
+        core = self._core  # the loop waits (a step, or for work) and is cancelled before it runs again
         for rid in list(core.seqs):
             self._end_request(rid, "abort")
         for rid in list(core.held):
             core.release_handoff(rid)
         self.stats = core.stats()
+        await cancel_and_wait([self._task])
+        self._task = None
 
     def _core_or_raise(self) -> MockerCore:
         if self._task is None:
@@ -181,10 +182,13 @@ class MockerEngine(Engine):
         """The request's next item; None when the context was cancelled first."""
         if not inbox.empty():
             return inbox.get_nowait()
+        loop_task = self._task
+        if loop_task is None:
+            raise RuntimeError("mocker engine is stopped")
         get = asyncio.ensure_future(inbox.get())
         cancelled = None if aborted else asyncio.ensure_future(context.wait_cancelled())
         try:
-            await asyncio.wait([f for f in (get, cancelled, self._task) if f is not None],
+            await asyncio.wait([f for f in (get, cancelled, loop_task) if f is not None],
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             for future in (get, cancelled):
@@ -192,7 +196,9 @@ class MockerEngine(Engine):
                     future.cancel()
         if get.done() and not get.cancelled():
             return get.result()
-        if self._task.done():
+        if not inbox.empty():  # delivered (by stop(), say) while `get` had not run yet
+            return inbox.get_nowait()
+        if loop_task.done():
             raise RuntimeError("mocker engine loop is not running")
         return None
 
@@ -259,8 +265,8 @@ class MockerEngine(Engine):
             for out in outputs:
                 self._emit(out)
             for seq in core.take_new_loads():
-                self._sinks[seq.request_id](_LoadOrder(list(seq.block_table),
-                                                       (seq.num_cached_tokens or 0) // core.block_manager.block_size))
+                cached_blocks = (seq.num_cached_tokens or 0) // core.block_manager.block_size
+                self._sinks[seq.request_id](_LoadOrder(list(seq.block_table), cached_blocks))
 
     async def _wait_for_work(self) -> None:
         core = self._core

@@ -49,7 +49,7 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
             if len(table) != len(axes[0]) or any(len(row) != len(axes[1]) for row in table):
                 raise ValueError(f"profile {self.name!r}: a table's shape does not match its axes")
         if self.kv_bytes_per_token <= 0 or self.transfer_gb_per_s <= 0:
-            raise ValueError(f"profile {self.name!r}: kv_bytes_per_token and transfer_gb_per_s must be positive")
+            raise ValueError(f"profile {self.name!r}: kv_bytes_per_token, transfer_gb_per_s must be positive")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -125,7 +125,8 @@ def roofline_ms(m: ModelShape, gpu: Gpu, new_tokens: float, logit_rows: float, a
     """One forward pass: `attended` (query, key) pairs of attention, `kv_tokens_read` tokens of KV read."""
     linear = m.num_layers * m.layer_weights
     head = m.hidden * m.vocab
-    flops = 2 * linear * new_tokens + 2 * head * logit_rows + 4 * m.num_layers * m.num_heads * m.head_dim * attended
+    attention = 4 * m.num_layers * m.num_heads * m.head_dim  # FLOPs per (query, key) pair: QK^T and PV
+    flops = 2 * linear * new_tokens + 2 * head * logit_rows + attention * attended
     memory = (linear + head) * m.dtype_bytes + m.kv_bytes_per_token * (kv_tokens_read + new_tokens)
     compute_s = flops / (gpu.tflops * 1e12 * gpu.compute_efficiency)
     memory_s = memory / (gpu.tb_per_s * 1e12 * gpu.memory_efficiency)
