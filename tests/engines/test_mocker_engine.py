@@ -26,6 +26,7 @@ from test_native_engine import (  # noqa: F401 - collected here
 from dynamo_pd.engines.base import EngineConfig, EngineRole, RequestContext, create_engine
 from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
 
+pytestmark = pytest.mark.slow  # the served model's tokenizer and config
 SPEEDUP = 20.0
 
 
