@@ -84,11 +84,17 @@ def indexed_prefill_blocks(deployment) -> float:
 
 
 def test_a_shared_prefix_goes_to_the_prefill_worker_that_holds_it(disagg, openai_client_factory):
+    """Per topic, a cold request (nothing cached: what any router gets) and one sharing its prefix,
+    which only prefix-aware routing serves from cache (round robin over the 2 prefill workers never)."""
     client = openai_client_factory(disagg)
+    prompt_before = disagg.metric("dynamo_pd_prompt_tokens_total")
+    cached_before = disagg.metric("dynamo_pd_cached_prompt_tokens_total")
+    prompt_tokens = cached_tokens = 0
     for topic in ("rivers", "mountains", "deserts", "forests"):
         prefix = f"Here is a long document about {topic}. " + " ".join(f"{topic}-{i}" for i in range(120))
         before = indexed_prefill_blocks(disagg)
         first = client.completions.create(model=MODEL, prompt=prefix, max_tokens=1, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0, topic
         disagg.wait_for(lambda: indexed_prefill_blocks(disagg) >= before + first.usage.prompt_tokens // 16 - 1,
                         20, "the KV events of the first request reached the router")
         second = client.completions.create(model=MODEL, prompt=prefix + " And one more line.", max_tokens=1,
@@ -96,7 +102,14 @@ def test_a_shared_prefix_goes_to_the_prefill_worker_that_holds_it(disagg, openai
         cached = second.usage.prompt_tokens_details.cached_tokens
         full_blocks = first.usage.prompt_tokens // 16 * 16
         assert cached >= full_blocks - 16, (topic, cached, first.usage.prompt_tokens)
-    assert disagg.metric("dynamo_pd_kv_hit_rate") > 0.3
+        prompt_tokens += first.usage.prompt_tokens + second.usage.prompt_tokens
+        cached_tokens += cached
+    # the frontend's KV metrics count exactly what the clients were told
+    disagg.wait_for(lambda: disagg.metric("dynamo_pd_prompt_tokens_total") == prompt_before + prompt_tokens, 10,
+                    "usage recorded")
+    assert disagg.metric("dynamo_pd_cached_prompt_tokens_total") == cached_before + cached_tokens
+    assert disagg.metric("dynamo_pd_kv_hit_rate") == pytest.approx(
+        (cached_before + cached_tokens) / (prompt_before + prompt_tokens))
 
 
 def test_a_client_that_disconnects_mid_stream_frees_blocks_on_every_worker(disagg, openai_client_factory):
@@ -203,18 +216,26 @@ def test_killing_the_prefill_worker_mid_request_falls_back_to_local_prefill(tmp_
         client = openai_client_factory(deployment)
         prompt = "Summarise this. " + " ".join(f"item{i}" for i in range(1200))
         expected = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        deployment.wait_for(lambda: deployment.metric("dynamo_pd_worker_running_requests", worker="prefill-0") == 0,
+                            10, "the first request gone from the prefill worker's load report")
         result: dict = {}
 
         def request() -> None:
-            try:
-                result["text"] = client.completions.create(model=MODEL, prompt=prompt + " again", max_tokens=8,
-                                                           temperature=0).choices[0].text
+            try:  # shares no prefix with `prompt`: its prefill computes ~2000 tokens, seconds on this CPU
+                result["text"] = client.completions.create(
+                    model=MODEL, prompt="Now this. " + " ".join(f"entry{i}" for i in range(700)), max_tokens=8,
+                    temperature=0).choices[0].text
             except Exception as exc:  # noqa: BLE001 - the test inspects what the client saw
                 result["error"] = exc
 
         thread = threading.Thread(target=request)
         thread.start()
-        deployment.wait_for(lambda: deployment.metric("dynamo_pd_queued_requests") == 1, 20, "request in prefill")
+        # The prefill worker reports the request running (its load report, every 0.5 s, is published beside
+        # the engine's step thread) and the frontend has no first token yet: the kill lands mid-prefill.
+        # The prefill_failed fallback asserted below confirms it (a kill after the first token would be a
+        # transfer_failed one).
+        deployment.wait_for(lambda: deployment.metric("dynamo_pd_worker_running_requests", worker="prefill-0") == 1
+                            and deployment.metric("dynamo_pd_queued_requests") == 1, 30, "request in prefill")
         deployment.procs["prefill-0"].kill()
         thread.join(90)
         assert not thread.is_alive(), "the request hung after its prefill worker died"
