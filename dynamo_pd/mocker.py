@@ -19,8 +19,9 @@ from dynamo_pd.worker import Worker, WorkerConfig, parse_args
 
 
 def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
-    # --help goes on to the worker's parser, which lists every other flag
-    parser = argparse.ArgumentParser(prog="python -m dynamo_pd.mocker", add_help=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamo_pd.mocker", description="Mocker workers in one process.",
+        epilog="Every other flag is a worker's: python -m dynamo_pd.aggregated --help")
     parser.add_argument("--workers", type=int, default=1, help="mocker workers in this process")
     parser.add_argument("--role", default="aggregated", choices=[role.value for role in EngineRole])
     args, rest = parser.parse_known_args(argv)
