@@ -34,6 +34,9 @@ class Metrics:
                                     ["worker"], registry=r)
         self.replica_updates = Gauge("dynamo_pd_router_replica_updates",
                                      "Load updates applied from other frontends' routers, since start", registry=r)
+        self.replica_expired = Gauge("dynamo_pd_router_replica_expired",
+                                     "Other frontends' placements dropped because their finish never came",
+                                     registry=r)
         self.rpc_connections = Gauge("dynamo_pd_rpc_connections", "Open request-plane connections to workers",
                                      registry=r)
         self.fallbacks = Counter(

@@ -97,6 +97,7 @@ class RemoteBackend:
         for worker_id in self.workers:
             self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexer.blocks_of(worker_id))
         self.metrics.replica_updates.set(self.replicas.applied)
+        self.metrics.replica_expired.set(self.replicas.expired)
         self.metrics.rpc_connections.set(self.rpc.num_connections)
 
     # ---- membership

@@ -285,6 +285,7 @@ def test_two_frontends_on_one_namespace_share_their_routers_load(tmp_path, etcd_
                 assert status == 200
                 return (receiver.metric("dynamo_pd_router_replica_updates") or 0) >= 2  # placed, finished
             receiver.wait_for(shared, 60, "load updates shared between the frontends")
+            assert receiver.metric("dynamo_pd_router_replica_expired") == 0  # every finish arrived
     finally:
         codes = second.stop() | deployment.stop()
     assert codes == {"frontend-b": 0, "frontend": 0, "aggregated-0": 0}, codes
