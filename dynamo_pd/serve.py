@@ -128,7 +128,7 @@ _ERROR_LINE = re.compile(r"(\w*(?:Error|Exception)|\berror)\b:\s", re.I)
 def failure_line(name: str, code: int | None, log: Path) -> str:
     """One line for a child that exited before the deployment was ready: its cause and what to change."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    errors = [line[m.start():] for line in lines if (m := _ERROR_LINE.search(line))]  # no log-line prefix
     # vLLM's front process re-raises its engine's root cause as a generic error: prefer a line we can act on
     fixable = [(line, flag) for line in errors for pattern, flag in _FIXES if pattern.search(line)]
     cause, flag = fixable[0] if fixable else ((errors or lines or [f"exit code {code}"])[-1], None)

@@ -13,7 +13,7 @@ import pytest
 
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import parse_args, plan
+from dynamo_pd.serve import failure_line, parse_args, plan
 from dynamo_pd.worker import parse_args as worker_args
 from tests.e2e.conftest import MODEL, Deployment
 
@@ -59,6 +59,20 @@ def test_a_port_another_deployment_holds_is_one_error_line_naming_the_flag(flag)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == f"error: 127.0.0.1:{ports[flag]} is taken (Address already in use; another deployment?): " \
                           f"choose another {flag}\n"
+
+
+def test_the_failure_line_names_the_root_cause_not_a_generic_re_raise(tmp_path):
+    """vLLM's front process ends on a generic error; its engine's root cause comes earlier (lines from a real log)."""
+    log = tmp_path / "prefill-0.log"
+    cause = ("ValueError: Available memory on node 0 (3.5/23.54 GiB) on kv cache allocation is less than requested "
+             "memory for kv (1000.0 GiB).")
+    log.write_text(f"(Worker pid=21429) ERROR 11-23 15:46:57 [multiproc_executor.py:1063] {cause}\n"
+                   "Traceback (most recent call last):\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert failure_line("prefill-0", 1, log) == \
+        f"error: worker prefill-0 failed to start: {cause} (change --kv-cache-memory-gb; log: {log})"
+    log.write_text("Traceback (most recent call last):\nKeyError: 'x'\n")  # nothing to change: the log says more
+    assert failure_line("prefill-0", 1, log) == f"error: worker prefill-0 failed to start: KeyError: 'x' (log: {log})"
 
 
 @pytest.mark.slow
