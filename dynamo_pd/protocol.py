@@ -176,6 +176,11 @@ class LoadMetrics(msgspec.Struct, kw_only=True):
     num_free_blocks: int
     num_total_blocks: int
     active_prefill_tokens: int = 0
+    # the worker's measured step costs (router.load.StepCosts); None: not measured yet, or not an engine that does
+    prefill_s_per_token: float | None = None
+    decode_s: float | None = None
+    decode_s_per_block: float | None = None
+    output_tokens: float | None = None
 
 
 class OverloadedError(RuntimeError):

@@ -169,7 +169,7 @@ class Worker:
             metrics = LoadMetrics(
                 worker_id=self.worker_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-                active_prefill_tokens=stats.num_active_prefill_tokens,
+                active_prefill_tokens=stats.num_active_prefill_tokens, **stats.costs._asdict(),
             )
             with contextlib.suppress(Exception):  # a momentary event-plane hiccup must not stop serving
                 await self.events.publish(f"{self.config.namespace}.load.{self.worker_id}", _encoder.encode(metrics))

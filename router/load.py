@@ -7,6 +7,7 @@ Prediction follows each request the router (or a replica, through router.replica
 Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
 freed early, output growth). At each report the difference report - prediction becomes the worker's
 offset, added to the prediction until the next report, so load placed after the report still counts.
+A report also carries the worker's measured step costs (StepCosts), which the `time` policy predicts with.
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ class LoadMetrics(Protocol):
     num_free_blocks: int  # blocks no running request holds (evictable cached blocks count as free)
     num_total_blocks: int
     active_prefill_tokens: int  # prompt tokens admitted but not yet prefilled
+    # measured step costs (dynamo_pd/engines/native/step_costs.py); None: not measured (yet)
+    prefill_s_per_token: float | None
+    decode_s: float | None
+    decode_s_per_block: float | None
+    output_tokens: float | None
+
+
+class StepCosts(NamedTuple):
+    """What a worker's steps cost: seconds = decode_s + decode_s_per_block * (KV blocks of its decode
+    rows) + prefill_s_per_token * (tokens it prefills); output_tokens per request. None: unknown."""
+
+    prefill_s_per_token: float | None = None
+    decode_s: float | None = None
+    decode_s_per_block: float | None = None
+    output_tokens: float | None = None
 
 
 class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per request
@@ -36,6 +52,7 @@ class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per
     blocks: int
     requests: int
     capacity_blocks: int
+    costs: StepCosts = StepCosts()
 
 
 @dataclass
@@ -55,6 +72,7 @@ class _Worker:
     prefill_offset: int = 0
     blocks_offset: int = 0
     requests_offset: int = 0
+    costs: StepCosts = StepCosts()
 
 
 class LoadTracker:
@@ -113,6 +131,8 @@ class LoadTracker:
         worker.prefill_offset = metrics.active_prefill_tokens - worker.prefill_tokens
         worker.blocks_offset = metrics.num_total_blocks - metrics.num_free_blocks - worker.blocks
         worker.requests_offset = metrics.num_running + metrics.num_waiting - worker.requests
+        worker.costs = StepCosts(metrics.prefill_s_per_token, metrics.decode_s, metrics.decode_s_per_block,
+                                 metrics.output_tokens)
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         w = self._worker(worker_id)
@@ -127,6 +147,7 @@ class LoadTracker:
             blocks if blocks > 0 else 0,
             requests if requests > 0 else 0,
             w.capacity_blocks,
+            w.costs,
         )
 
     def _worker(self, worker_id: WorkerId) -> _Worker:

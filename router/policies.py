@@ -3,6 +3,17 @@
 All policies implement `choose(candidates, request) -> Candidate`; candidates are never empty
 (the service filters busy workers first and raises Overloaded when none is left).
 
+- TimePolicy (the default): the predicted seconds the request adds, on w, to its own latency and to
+  that of the requests already there, from w's measured step costs (router.load.StepCosts: p seconds
+  per prefill token, a decode step of B KV blocks takes d0 + d1 * B, L output tokens per request):
+      uncached = prompt_tokens - overlap_w * block_size      (0 when the worker does not prefill)
+      own      = p * (prefill_tokens_w + uncached)            its first token waits for the queued prefill
+                 + L * (d0 + d1 * (blocks_w + request_blocks))  and its L steps carry w's active blocks
+      others   = requests_w * (p * uncached + L * d1 * request_blocks)  each waits for its prefill and
+                                                              carries its blocks for up to L steps
+      cost_w   = own + others
+  The minimum wins (random tie-break). A figure a worker has not reported is the median of those
+  the other candidates reported, else PRIOR.
 - KvAwarePolicy: Dynamo's cost. For worker w,
       prefill_blocks = (prefill_tokens_w + prompt_tokens - overlap_w * block_size) / block_size
       decode_blocks  = blocks_w + request_blocks          (active blocks including this request)
@@ -19,16 +30,23 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from router.load import WorkerLoad
+from router.load import StepCosts, WorkerLoad
+
+# Until some worker reports its figures: what the native engine's meter measured serving SmolLM2-135M
+# (float32, one thread) on this project's 2-core CPU host, the default deployment, rounded; the API's
+# default max_tokens (16) for the output.
+PRIOR = StepCosts(prefill_s_per_token=2e-3, decode_s=0.05, decode_s_per_block=1e-3, output_tokens=16)
 
 
 @dataclass(frozen=True)
 class RouteRequest:
     prompt_tokens: int
     block_size: int
+    prefill: bool = True  # the chosen worker computes the uncached prompt (not a decode worker fed by transfer)
 
     @property
     def request_blocks(self) -> int:
@@ -81,6 +99,33 @@ class KvAwarePolicy:
         logits = [self.logit(c, request) for c in candidates]
         best = min(logits)
         return self._rng.choice([c for c, x in zip(candidates, logits) if x == best])
+
+
+class TimePolicy:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    @staticmethod
+    def fleet_costs(candidates: list[Candidate]) -> list[StepCosts]:
+        """Each candidate's figures, the unreported ones filled in (the candidates' median, else PRIOR)."""
+        fields = zip(*(c.load.costs for c in candidates))
+        fallback = [statistics.median(known) if (known := [x for x in values if x is not None]) else prior
+                    for values, prior in zip(fields, PRIOR)]
+        return [StepCosts(*(f if x is None else x for x, f in zip(c.load.costs, fallback))) for c in candidates]
+
+    @staticmethod
+    def cost(c: Candidate, k: StepCosts, request: RouteRequest) -> float:
+        load, blocks = c.load, request.request_blocks
+        uncached = max(0, request.prompt_tokens - c.overlap_blocks * request.block_size) if request.prefill else 0
+        own = (k.prefill_s_per_token * (load.prefill_tokens + uncached)
+               + k.output_tokens * (k.decode_s + k.decode_s_per_block * (load.blocks + blocks)))
+        others = load.requests * (k.prefill_s_per_token * uncached + k.output_tokens * k.decode_s_per_block * blocks)
+        return own + others
+
+    def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        costs = [self.cost(c, k, request) for c, k in zip(candidates, self.fleet_costs(candidates))]
+        best = min(costs)
+        return self._rng.choice([c for c, x in zip(candidates, costs) if x == best])
 
 
 class RoundRobinPolicy:

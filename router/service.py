@@ -17,6 +17,7 @@ tokens reach `busy_prefill_tokens`; busy workers are skipped, and when all are, 
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,13 +35,15 @@ from router.policies import (
     RoundRobinPolicy,
     RouteRequest,
     RoutingPolicy,
+    TimePolicy,
 )
 from router.replica_sync import ReplicaSync
 from router.subscriber import NatsEventSubscriber, ZmqEventSubscriber, EventSubscriber
 
 Pool = Literal["prefill", "decode", "aggregated"]
 POOLS: tuple[str, ...] = ("prefill", "decode", "aggregated")
-PolicyName = Literal["kv", "round_robin", "random", "least_loaded", "cache_aware"]
+PolicyName = Literal["time", "kv", "round_robin", "random", "least_loaded", "cache_aware"]
+POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
 
 
 class RoutingError(RuntimeError):
@@ -58,7 +61,7 @@ class Overloaded(RoutingError):
 @dataclass(frozen=True)
 class RouterConfig:
     block_size: int = 16
-    policy: PolicyName = "kv"
+    policy: PolicyName = "time"
     overlap_weight: float = 1.0
     temperature: float = 0.0
     busy_kv_fraction: float = 0.95
@@ -68,6 +71,8 @@ class RouterConfig:
     seed: int | None = None
 
     def make_policy(self) -> RoutingPolicy:
+        if self.policy == "time":
+            return TimePolicy(self.seed)
         if self.policy == "kv":
             return KvAwarePolicy(self.overlap_weight, self.temperature, self.seed)
         if self.policy == "round_robin":
@@ -79,8 +84,7 @@ class RouterConfig:
         if self.policy == "cache_aware":
             return CacheAwarePolicy(seed=self.seed)
         raise ValueError(
-            f"unknown routing policy {self.policy!r}; choose one of kv, round_robin, random, "
-            "least_loaded, cache_aware"
+            f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
         )
 
 
@@ -186,7 +190,7 @@ class KvRouter:
             if uses_overlap
             else {}
         )
-        request = RouteRequest(len(token_ids), self.config.block_size)
+        request = RouteRequest(len(token_ids), self.config.block_size, prefill=uses_overlap)
         candidates = [
             Candidate(matches.get(w, 0), self.load.load(w), self.indexer.blocks_of(w)) for w in workers
         ]

@@ -17,7 +17,7 @@ from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
-from router.service import KvRouter, RouterConfig
+from router.service import POLICIES, KvRouter, RouterConfig
 
 log = logging.getLogger("dynamo_pd.frontend")
 
@@ -36,8 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: $DYNAMO_PD_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size, for routing")
-    p.add_argument("--router-policy", default="kv", choices=["kv", "round_robin", "random", "least_loaded", "cache_aware"])
-    p.add_argument("--overlap-weight", type=float, default=1.0)
+    p.add_argument("--router-policy", default=RouterConfig.policy, choices=POLICIES,
+                   help="time: the least predicted latency, from the costs workers measure (router/policies.py); "
+                        "kv: Dynamo's overlap_weight * prefill blocks + active blocks; or a baseline "
+                        f"(default {RouterConfig.policy})")
+    p.add_argument("--overlap-weight", type=float, default=1.0, help="the kv policy's weight of a prefill block")
     p.add_argument("--router-temperature", type=float, default=0.0)
     p.add_argument("--busy-kv-fraction", type=float, default=0.95)
     p.add_argument("--local-prefill-tokens", type=int, default=0,

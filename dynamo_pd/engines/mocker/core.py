@@ -29,6 +29,7 @@ from dynamo_pd.engines.native.config import ModelConfig
 from dynamo_pd.engines.native.core import EngineCore
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence
+from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, TokenLogprob
 from router.hashing import token_bytes
@@ -94,6 +95,7 @@ class MockerCore(EngineCore):
         self.held: dict[str, tuple[Sequence, float]] = {}
         self.handoff_expiries = 0
         self.stalled = False
+        self.step_costs = StepCostMeter()
         self.step_s = 0.0  # simulated duration of the last step
         self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
@@ -105,6 +107,7 @@ class MockerCore(EngineCore):
             return []
         step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])
         self.step_s = step_ms / 1e3 / self.speedup
+        self.step_costs.observe(StepLoad.of(batch), self.step_s)
         self._write_kv(batch)
         outputs = []
         for seq, n in batch:

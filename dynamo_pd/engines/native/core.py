@@ -21,6 +21,7 @@ from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
+from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import (
     EngineOutput,
@@ -31,6 +32,7 @@ from dynamo_pd.protocol import (
     TokenLogprob,
     Usage,
 )
+from router.load import StepCosts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,6 +51,7 @@ class EngineStats:
     num_active_prefill_tokens: int = 0  # prompt tokens still to compute
     num_preemptions: int = 0
     handoff_expiries: int = 0
+    costs: StepCosts = StepCosts()  # what its steps cost, measured (step_costs.py)
 
 
 class EngineCore:
@@ -84,6 +87,7 @@ class EngineCore:
         self.held: dict[str, tuple[Sequence, float]] = {}  # PREFILL role: request id -> (seq, lease end)
         self.handoff_expiries = 0
         self.stalled = False  # the last step found work but could schedule none of it
+        self.step_costs = StepCostMeter()
 
     # ---- requests in
 
@@ -139,11 +143,13 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[EngineOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         # Work that cannot run yet (blocks held by hand-offs or loads) waits for a command, not a spin.
         self.stalled = not batch
         if not batch:
             return []
+        load = StepLoad.of(batch)
         seqs, logits = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed_tokens += n
@@ -158,6 +164,7 @@ class EngineCore:
                 outputs.append(self._append(seq, given, None, echo=True))
             else:
                 outputs.append(self._append(seq, token, logprob))
+        self.step_costs.observe(load, time.perf_counter() - started)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, echo: bool = False) -> EngineOutput:
@@ -195,6 +202,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, out: EngineOutput) -> None:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
+        self.step_costs.finished(len(seq.output_token_ids))
         out.usage = Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
                           cached_tokens=seq.num_cached_tokens or 0)
         if out.finish_reason == "prefill_done":
@@ -267,4 +275,5 @@ class EngineCore:
             num_active_prefill_tokens=sched.num_active_prefill_tokens,
             num_preemptions=sched.num_preemptions,
             handoff_expiries=self.handoff_expiries,
+            costs=self.step_costs.costs(),
         )

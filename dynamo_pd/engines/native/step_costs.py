@@ -1,0 +1,73 @@
+"""What a step costs this engine, measured as it runs: the figures a worker reports in LoadMetrics
+and the router's `time` policy predicts with (router/policies.py).
+
+A step's time is modelled as
+    seconds = decode_s + decode_s_per_block * B + prefill_s_per_token * P
+B: KV blocks of the step's decode rows (one new token each, attending to all their KV);
+P: tokens of its prefill chunks (rows of more than one token, as the mocker's profile counts them).
+decode_s and decode_s_per_block are an exponentially weighted least-squares line through the
+decode-only steps (P = 0), its slope shrunk while B has varied by less than a block; both are 0
+until such a step ran (a prefill worker never runs one). prefill_s_per_token is the weighted
+ratio of what the steps with prefill took beyond that line to the tokens they prefilled (so on a
+prefill worker a token carries its share of the step overhead): the figures always add up to the
+step times seen. output_tokens: the weighted mean per finished request (1 on a prefill worker).
+prefill_s_per_token and output_tokens are None until a prefill step ran, a request finished.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from dynamo_pd.engines.native.scheduler import ScheduledBatch
+from router.load import StepCosts
+
+DECAY = 0.02  # the newest observation's weight: about the last 50 steps (or requests) count
+
+
+class StepLoad(NamedTuple):
+    prefill_tokens: int
+    decode_blocks: int
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> StepLoad:
+        """Taken right after scheduling: a decode row's block table then holds its new token too."""
+        return cls(sum(n for _, n in batch if n > 1), sum(len(seq.block_table) for seq, n in batch if n == 1))
+
+
+def _mix(means: list[float], values: tuple[float, ...]) -> None:
+    for i, v in enumerate(values):
+        means[i] += DECAY * (v - means[i])
+
+
+class StepCostMeter:
+    def __init__(self) -> None:
+        # decode-only steps: weighted means of 1, B, s, B*B, B*s (the first one corrects the start-up bias)
+        self._decode = [0.0] * 5
+        self._prefill = [0.0] * 2  # steps with prefill: weighted means of the excess seconds and of P
+        self._output = [0.0] * 2  # finished requests: weighted means of 1 and of output tokens
+
+    def observe(self, load: StepLoad, seconds: float) -> None:
+        P, B = load
+        if P == 0:
+            _mix(self._decode, (1.0, B, seconds, B * B, B * seconds))
+            return
+        decode_s, per_block = self._line()
+        _mix(self._prefill, (seconds - decode_s - per_block * B, P))
+
+    def finished(self, output_tokens: int) -> None:
+        _mix(self._output, (1.0, output_tokens))
+
+    def costs(self) -> StepCosts:
+        excess, tokens = self._prefill
+        weight, outputs = self._output
+        return StepCosts(max(0.0, excess / tokens) if tokens else None, *self._line(),
+                         outputs / weight if weight else None)
+
+    def _line(self) -> tuple[float, float]:
+        w, b, s, bb, bs = self._decode
+        if not w:
+            return 0.0, 0.0
+        mean_b, mean_s = b / w, s / w
+        # a ridge of one block^2: no slope from steps of (nearly) one size, the least-squares one once B varies
+        slope = max(0.0, (bs / w - mean_b * mean_s) / (bb / w - mean_b * mean_b + 1.0))
+        return max(0.0, mean_s - slope * mean_b), slope
