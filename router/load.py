@@ -52,7 +52,6 @@ class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per
     blocks: int
     requests: int
     capacity_blocks: int
-    costs: StepCosts = StepCosts()
 
 
 @dataclass
@@ -147,8 +146,10 @@ class LoadTracker:
             blocks if blocks > 0 else 0,
             requests if requests > 0 else 0,
             w.capacity_blocks,
-            w.costs,
         )
+
+    def costs(self, worker_id: WorkerId) -> StepCosts:
+        return self._worker(worker_id).costs
 
     def _worker(self, worker_id: WorkerId) -> _Worker:
         worker = self._workers.get(worker_id)

@@ -57,6 +57,7 @@ class Candidate(NamedTuple):  # a NamedTuple: routing builds one per worker per 
     overlap_blocks: int
     load: WorkerLoad
     cached_blocks: int  # blocks of this worker resident in the indexer
+    costs: StepCosts = StepCosts()  # what its steps cost, as it last reported
 
     @property
     def worker_id(self):
@@ -108,10 +109,10 @@ class TimePolicy:
     @staticmethod
     def fleet_costs(candidates: list[Candidate]) -> list[StepCosts]:
         """Each candidate's figures, the unreported ones filled in (the candidates' median, else PRIOR)."""
-        fields = zip(*(c.load.costs for c in candidates))
+        fields = zip(*(c.costs for c in candidates))
         fallback = [statistics.median(known) if (known := [x for x in values if x is not None]) else prior
                     for values, prior in zip(fields, PRIOR)]
-        return [StepCosts(*(f if x is None else x for x, f in zip(c.load.costs, fallback))) for c in candidates]
+        return [StepCosts(*(f if x is None else x for x, f in zip(c.costs, fallback))) for c in candidates]
 
     @staticmethod
     def cost(c: Candidate, k: StepCosts, request: RouteRequest) -> float:

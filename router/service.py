@@ -192,7 +192,8 @@ class KvRouter:
         )
         request = RouteRequest(len(token_ids), self.config.block_size, prefill=uses_overlap)
         candidates = [
-            Candidate(matches.get(w, 0), self.load.load(w), self.indexer.blocks_of(w)) for w in workers
+            Candidate(matches.get(w, 0), self.load.load(w), self.indexer.blocks_of(w), self.load.costs(w))
+            for w in workers
         ]
         free = [c for c in candidates if not self._busy(c)]
         if not free:

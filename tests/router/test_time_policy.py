@@ -22,7 +22,7 @@ BS = 16
 
 
 def candidate(overlap=0, prefill=0, blocks=0, requests=0, costs=StepCosts(), name="w"):
-    return Candidate(overlap, WorkerLoad(name, prefill, blocks, requests, 1000, costs), 0)
+    return Candidate(overlap, WorkerLoad(name, prefill, blocks, requests, 1000), 0, costs)
 
 
 def test_the_cost_is_the_documented_formula():
@@ -59,7 +59,7 @@ def test_the_busier_worker_keeps_its_prefix_while_prefill_costs_more_than_decode
     assert TimePolicy().choose([busy, idle], request).worker_id == "w0"
     # where long outputs make decode the dear part (64 tokens, 5 ms per block and step) it moves
     heavy = cpu._replace(decode_s_per_block=5e-3, output_tokens=64)
-    busy, idle = busy._replace(load=busy.load._replace(costs=heavy)), idle._replace(load=idle.load._replace(costs=heavy))
+    busy, idle = busy._replace(costs=heavy), idle._replace(costs=heavy)
     assert TimePolicy().choose([busy, idle], request).worker_id == "w1"
 
 
@@ -72,8 +72,8 @@ def test_reported_costs_reach_the_router_and_old_workers_report_none():
                                            decode_s_per_block=1e-4, output_tokens=12.0))
     router.update_load_metrics(LoadMetrics(worker_id="w1", num_running=0, num_waiting=0, num_free_blocks=100,
                                            num_total_blocks=100))
-    assert router.load.load("w0").costs == StepCosts(1e-3, 0.02, 1e-4, 12.0)
-    assert router.load.load("w1").costs == StepCosts()
+    assert router.load.costs("w0") == StepCosts(1e-3, 0.02, 1e-4, 12.0)
+    assert router.load.costs("w1") == StepCosts()
     # equal loads, no cache: the worker with the cheaper steps (w1 is given w0's figures, the median)
     router.update_load_metrics(LoadMetrics(worker_id="w1", num_running=0, num_waiting=0, num_free_blocks=100,
                                            num_total_blocks=100, prefill_s_per_token=2e-3, decode_s=0.02,
