@@ -12,6 +12,7 @@ import re
 import sys
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, engine_names
+from router.service import POLICIES, RouterConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,44 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
         extra=parse_passthrough(passthrough),
     )
 
+
+def add_frontend_args(p: argparse.ArgumentParser) -> None:
+    """The frontend's routing and request-handling options; `serve` takes the same ones and forwards
+    what it is given (`frontend_argv`)."""
+    g = p.add_argument_group("frontend")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    g.add_argument("--router-policy", default=RouterConfig.policy, choices=POLICIES,
+                   help="time: the least predicted latency, from the costs workers measure (router/policies.py); "
+                        "kv: Dynamo's overlap_weight * prefill blocks + active blocks; or a baseline "
+                        f"(default {RouterConfig.policy})")
+    g.add_argument("--overlap-weight", type=float, default=1.0, help="the kv policy's weight of a prefill block")
+    g.add_argument("--router-temperature", type=float, default=0.0)
+    g.add_argument("--busy-kv-fraction", type=float, default=0.95)
+    g.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
+    g.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
+    g.add_argument("--inter-token-timeout-s", type=float, default=60.0,
+                   help="end a request (503, its worker's work cancelled) when its worker sends nothing this long "
+                        "after the first token: a wedged engine")
+
+
+
+def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.inter_token_timeout_s <= 0:
+        p.error(f"--inter-token-timeout-s must be > 0, got {args.inter_token_timeout_s}")
+    if not 0 < args.busy_kv_fraction <= 1:
+        p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
+
+
+def frontend_argv(args: argparse.Namespace) -> list[str]:
+    """The frontend options in `args` that differ from their defaults, as flags."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_frontend_args(p)
+    argv = []
+    for dest, default in vars(p.parse_args([])).items():
+        if getattr(args, dest) != default:
+            argv += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
+    return argv
 
 def parse_passthrough(tokens: list[str]) -> dict:
     """`--key value` / `--flag` pairs for the engine; values parse as JSON when they can."""

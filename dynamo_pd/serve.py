@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config,
+from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_frontend_args, add_kv_args,
+                           check_frontend_args, check_namespace, engine_config, frontend_argv,
                            parse_passthrough)
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
@@ -49,6 +50,7 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--nats", default=None, help="nats://HOST:PORT for the event plane instead of ZMQ")
     add_kv_args(p)
     p.add_argument("--api-key", default=None, help="require this Bearer key on the HTTP API")
+    add_frontend_args(p)
     return p
 
 
@@ -68,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     elif args.aggregated < 0:
         p.error(f"--aggregated must be >= 1, got {args.aggregated}")
     check_namespace(args.namespace)
+    check_frontend_args(p, args)
     engine_config(args, EngineRole.AGGREGATED, passthrough)  # validates engine flags before anything starts
     args.memory_fraction = parse_passthrough(passthrough).get("gpu_memory_utilization")
     _, engine_argv = _serve_parser(add_help=False).parse_known_args(argv)
@@ -84,17 +87,24 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
         frontend += ["--model", args.model]
     if args.api_key:
         frontend += ["--api-key", args.api_key]
+    frontend += frontend_argv(args)
     roles = [("aggregated", args.aggregated)] if args.aggregated else [("prefill", args.prefill), ("decode", args.decode)]
     count = sum(n for _, n in roles)
     # Every worker runs on this host: a fraction of its memory is the deployment's, split evenly
     # (the last --gpu-memory-utilization on a worker's command line wins).
     share = ["--gpu-memory-utilization", f"{args.memory_fraction / count:.4g}"] if args.memory_fraction else []
-    workers = [
-        [sys.executable, "-m", f"dynamo_pd.{role}", "--discovery", discovery, "--kv-transport", args.kv_transport,
-         "--kv-handoff", args.kv_handoff, "--worker-id", f"{role}-{i}", *plane, *engine_argv, *share]
-        for role, n in roles for i in range(n)
-    ]
+    common = ["--discovery", discovery, "--kv-transport", args.kv_transport, "--kv-handoff", args.kv_handoff, *plane]
+    if args.engine == "mocker":  # mockers compute nothing: each role's workers share one process
+        workers = [[sys.executable, "-m", "dynamo_pd.mocker", "--workers", str(n), "--role", role, "--worker-id", role,
+                    *common, *engine_argv] for role, n in roles if n]
+    else:
+        workers = [[sys.executable, "-m", f"dynamo_pd.{role}", "--worker-id", f"{role}-{i}", *common, *engine_argv,
+                    *share] for role, n in roles for i in range(n)]
     return discovery, [frontend, *workers]
+
+
+def worker_count(args: argparse.Namespace) -> int:
+    return args.aggregated or args.prefill + args.decode
 
 
 def child_name(command: list[str]) -> str:
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="dynamo-pd-logs-"))
     print(f"dynamo-pd: logs in {log_dir}", flush=True)
     if args.memory_fraction:
-        print(f"dynamo-pd: {len(commands) - 1} workers share --gpu-memory-utilization {args.memory_fraction}",
+        print(f"dynamo-pd: {worker_count(args)} workers share --gpu-memory-utilization {args.memory_fraction}",
               flush=True)
     env = dict(os.environ)
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         for command in commands:
             with open(log_dir / f"{child_name(command)}.log", "wb") as log:
                 children.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-        asyncio.run(_wait_ready(discovery_url, args.namespace, len(commands) - 1, children, log_dir))
+        asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
         _watch(children, log_dir)

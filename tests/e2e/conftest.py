@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import parse_args, plan
+from dynamo_pd.serve import parse_args, plan, worker_count
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -98,7 +98,7 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
         command = command + (worker_args or {}).get(name, [])
         with open(tmp_path / f"{name}.log", "wb") as log:
             deployment.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    expected = workers_expected if workers_expected is not None else len(commands) - 1
+    expected = workers_expected if workers_expected is not None else worker_count(options)
     try:
         deployment.wait_for(lambda: workers_registered(deployment) >= expected, timeout_s, "workers registered")
     except BaseException:

@@ -37,6 +37,23 @@ def test_a_memory_fraction_is_split_between_the_workers_on_this_host():
     assert alone.extra["gpu_memory_utilization"] == 0.8
 
 
+
+def test_frontend_options_reach_the_frontend_only_and_bad_ones_stop_serve_at_once():
+    options, engine_argv = parse_args(["--router-policy", "round_robin", "--inter-token-timeout-s", "30",
+                                       "--local-prefill-tokens", "64", "--block-size", "32"])
+    frontend, *workers = plan(options, engine_argv)[1]
+    assert frontend[frontend.index("--router-policy") + 1] == "round_robin"
+    assert frontend[frontend.index("--inter-token-timeout-s") + 1] == "30.0"
+    assert frontend[frontend.index("--local-prefill-tokens") + 1] == "64"
+    assert "--overlap-weight" not in frontend  # defaults stay the frontend's own
+    for worker in workers:
+        assert "--router-policy" not in worker and "--local-prefill-tokens" not in worker
+        assert worker[worker.index("--block-size") + 1] == "32"
+    done = serve("--router-policy", "nope", timeout=60)
+    assert done.returncode == 2 and "--router-policy" in done.stderr and "Traceback" not in done.stderr
+    done = serve("--inter-token-timeout-s", "0", timeout=60)
+    assert done.returncode == 2 and "--inter-token-timeout-s must be > 0" in done.stderr
+
 @pytest.mark.vllm
 def test_vllm_workers_size_their_kv_cache_from_kv_cache_memory_gb():
     """Without it vLLM reserves 92% of the memory per worker, which on CPU is the whole host's."""

@@ -3,10 +3,6 @@ handing KV over through kv_transfer, and 16 aggregated mocker workers in one pro
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,9 +11,8 @@ from dynamo_pd.engines.base import EngineConfig
 from dynamo_pd.engines.mocker.core import MockerCore
 from dynamo_pd.engines.mocker.profile import h100_llama8b
 from dynamo_pd.protocol import EngineRequest, SamplingParams, StopConditions
-from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.serve import parse_args, plan
-from tests.e2e.conftest import MODEL, Deployment, start_deployment, workers_registered
+from tests.e2e.conftest import MODEL, start_deployment
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[1000 + 7 * i + j for j in range(40 + 9 * i)] for i in range(8)]  # token ids; 40 to 103 tokens
@@ -63,20 +58,13 @@ def test_a_mocker_prefill_and_decode_hand_off_through_kv_transfer(tmp_path, open
 
 
 def test_sixteen_mocker_workers_in_one_process_serve_requests(tmp_path, openai_client_factory):
-    port, namespace = free_port(), f"test-{uuid.uuid4().hex[:8]}"
-    options, engine_argv = parse_args(["--port", str(port), "--discovery-port", str(free_port()),
-                                       "--namespace", namespace, "--aggregated", "1", "--engine", "mocker"])
-    discovery, (frontend, *_) = plan(options, engine_argv)
-    mockers = [sys.executable, "-m", "dynamo_pd.mocker", "--workers", "16", "--role", "aggregated",
-               "--discovery", discovery, "--namespace", namespace, "--worker-id", "mock", "--speedup", "10"]
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path, namespace=namespace)
-    for name, command in (("frontend", frontend), ("mockers", mockers)):
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            deployment.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    """`serve --aggregated 16 --engine mocker` runs the 16 workers in one process."""
+    options, engine_argv = parse_args(["--aggregated", "16", "--engine", "mocker", "--speedup", "10"])
+    assert [c[2] for c in plan(options, engine_argv)[1]] == ["dynamo_pd.frontend", "dynamo_pd.mocker"]
+    deployment = start_deployment(tmp_path, "--aggregated", "16", "--engine", "mocker", "--speedup", "10")
     try:
-        deployment.wait_for(lambda: workers_registered(deployment) >= 16, 120, "16 mocker workers registered")
-        assert deployment.metric("dynamo_pd_worker_total_blocks", worker="mock-15") is not None
+        assert set(deployment.procs) == {"frontend", "aggregated"}
+        assert deployment.metric("dynamo_pd_worker_total_blocks", worker="aggregated-15") is not None
         client = openai_client_factory(deployment)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             texts = list(pool.map(lambda ids: complete(client, ids).choices[0].text, PROMPTS))
