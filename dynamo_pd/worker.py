@@ -32,17 +32,25 @@ from pathlib import Path
 import msgspec
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, RequestContext, load_engine_class
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, load_engine_class
 from dynamo_pd.model_store import DEFAULT_MODEL
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
-from dynamo_pd.runtime import DiscoveryUnavailableError, RpcServer, connect_discovery, connect_event_plane
+from dynamo_pd.runtime import (
+    DiscoveryUnavailableError,
+    EventPlaneError,
+    RequestContext,
+    RpcServer,
+    connect_discovery,
+    connect_event_plane,
+)
+from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
 from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.memory import KVMemory
 from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
 from kv_transfer.transports import TransferConfig
-from router.publisher import NatsEventPublisher, ZmqEventPublisher
+from router.events import encode_batch
 
 log = logging.getLogger("dynamo_pd.worker")
 
@@ -116,10 +124,10 @@ class Worker:
         if self.agent is not None:
             info.kv_layout = _encoder.encode(self.agent.memory.layout)
             info.kv_endpoint, info.kv_handoff = self.agent.endpoint, cfg.kv_handoff
-        info = self._start_event_publisher(info)
         self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace)
         self.events = await connect_event_plane(cfg.events, self.discovery)
         self._closers[:0] = [self.events.close, self.discovery.close]
+        info = self._start_event_publisher(info)
         rpc = RpcServer(self._handle, f"tcp://{cfg.host}:0")
         await rpc.start()
         self._closers.insert(0, rpc.close)
@@ -148,19 +156,23 @@ class Worker:
             info.kv_events_endpoint = extra["kv_events_endpoint"]
             info.kv_events_replay_endpoint = extra["kv_events_replay_endpoint"]
             return info
-        if cfg.events:
+        publisher: PlaneBatchPublisher | ZmqBatchPublisher
+        if cfg.events:  # NATS: on the event plane, this process's one connection
             info.kv_events_subject = f"{cfg.namespace}.kv_events.{self.worker_id}"
-            publisher = NatsEventPublisher(cfg.events, info.kv_events_subject)
-        else:
-            publisher = ZmqEventPublisher(f"tcp://{cfg.host}:0", replay_endpoint=f"tcp://{cfg.host}:0")
+            publisher = PlaneBatchPublisher(self.events, info.kv_events_subject)
+        else:  # ZMQ: vLLM's wire, with a replay socket
+            publisher = ZmqBatchPublisher(f"tcp://{cfg.host}:0", replay_endpoint=f"tcp://{cfg.host}:0")
             info.kv_events_endpoint, info.kv_events_replay_endpoint = publisher.endpoint, publisher.replay_endpoint
-        self._closers.append(publisher.close)
+            self._closers.append(publisher.close)
         self._tasks.append(asyncio.create_task(self._flush_events(publisher)))
         return info
 
-    async def _flush_events(self, publisher) -> None:
+    async def _flush_events(self, publisher: PlaneBatchPublisher | ZmqBatchPublisher) -> None:
         while True:
-            publisher.publish(self.engine.drain_kv_events())
+            if events := self.engine.drain_kv_events():
+                # a batch the event plane fails to send is a gap the router sees, and it rebuilds
+                with contextlib.suppress(EventPlaneError):
+                    await publisher.publish(encode_batch(events))
             await asyncio.sleep(_EVENT_FLUSH_S)
 
     async def _publish_load(self) -> None:

@@ -7,9 +7,11 @@ indexer works whatever hash an engine uses. An engine that already uses the proj
 (the native engine) costs no map entries: a hash that equals its project twin is not stored.
 
 `deliver(worker, seq, payload)` enforces order: the next sequence number is applied, an older one
-is a duplicate (replay overlap) and is skipped, a newer one is a GAP and nothing is applied: the
-caller (router.subscriber) replays the missing batches or calls `reset_worker` and starts afresh.
+is a duplicate (replay overlap) and is skipped, a newer one is a GAP and nothing is applied.
 A live stream whose sequence goes back is a restarted engine: its old state is dropped.
+`follow(worker, source)` feeds a transport's stream (a `BatchSource`, e.g. dynamo_pd.runtime.kv_events)
+through `deliver` and recovers: a gap asks the source's replay for the missing batches; without
+replay, or when the replay no longer reaches back, the worker is reset and rebuilt from what follows.
 Never silently wrong: every event that cannot be applied exactly is skipped and counted in `stats`;
 the indexer then under-reports (a block is missing), never over-reports.
 """
@@ -18,14 +20,37 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
-from router.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, decode_batch
+from router.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    KVEvent,
+    decode_batch,
+)
 from router.hashing import local_block_hashes, salt_root, sequence_hashes
 from router.indexer import IndexerSnapshot, KvIndexer, WorkerId
 
 log = logging.getLogger(__name__)
+
+QUIET_CATCH_UP_S = 1.0  # a replayable stream silent this long checks the replay buffer for missed batches
+Batch = tuple[int, bytes]  # (sequence number, msgpack KVEventBatch)
+Replay = Callable[[int], Awaitable[list[Batch] | None]]  # batches from a sequence number on; None: it failed
+
+
+class BatchSource(Protocol):
+    """One worker's event batches as a transport delivers them."""
+
+    replay: Replay | None  # None: the transport cannot replay
+
+    async def next(self, timeout_s: float | None) -> Batch | None:
+        """The next batch, or None when none came within `timeout_s`."""
 
 
 class Delivery(enum.Enum):
@@ -108,6 +133,49 @@ class EventIngestor:
         if live:
             state.last_live = seq
         return delivery
+
+    async def follow(self, worker: WorkerId, source: BatchSource) -> None:
+        """Apply `source`'s batches in order until cancelled. With replay, a late joiner first fetches what
+        came before, and a quiet stream checks the buffer: a gap shows only when a later batch arrives, so
+        batches sent while a subscription was forming (ZMQ's slow joiner) or the last of a burst lost on
+        the way are found then, not at the next event."""
+        replay = source.replay
+        if replay is not None:
+            await self.catch_up(worker, replay)
+        while True:
+            batch = await source.next(QUIET_CATCH_UP_S if replay is not None else None)
+            if batch is None:
+                await self.catch_up(worker, replay)
+                continue
+            seq, payload = batch
+            try:
+                if self.deliver(worker, seq, payload) is not Delivery.GAP:
+                    continue
+                log.warning("worker %s: KV event batches %d..%d missing", worker, self.expected_seq(worker), seq - 1)
+                if not await self.catch_up(worker, replay) or self.deliver(worker, seq, payload) is Delivery.GAP:
+                    self.reset_worker(worker)
+                    self.deliver(worker, seq, payload)
+            except EventDecodeError as exc:  # a batch we cannot read is a batch we missed
+                log.error("worker %s: undecodable KV event batch %d (%s): dropping its state", worker, seq, exc)
+                self.reset_worker(worker)
+
+    async def catch_up(self, worker: WorkerId, replay: Replay | None) -> bool:
+        """Apply what `replay` holds from the next expected batch on (rebuilding from its first batch when it
+        no longer reaches back that far); False when there is no replay or it failed."""
+        batches = None if replay is None else await replay(self.expected_seq(worker) or 0)
+        if batches is None:
+            return False
+        for seq, payload in batches:
+            try:
+                if self.deliver(worker, seq, payload, live=False) is Delivery.GAP:
+                    log.warning("worker %s: replay buffer starts at %d, after the missing batch %s: rebuilding "
+                                "its state from there", worker, seq, self.expected_seq(worker))
+                    self.reset_worker(worker)
+                    self.deliver(worker, seq, payload, live=False)
+            except EventDecodeError as exc:
+                log.error("worker %s: undecodable replayed batch %d (%s): dropping its state", worker, seq, exc)
+                self.reset_worker(worker)
+        return True
 
     def reset_worker(self, worker: WorkerId) -> None:
         """Drop everything known about `worker`; the events that follow rebuild it."""

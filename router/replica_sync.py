@@ -6,29 +6,26 @@ LoadMetrics still correct everything (router.load), so a replica that dies leave
 a remote placement whose finish never arrives (lost on the way, or its replica died) expires after
 `placement_ttl_s`, so they do not pile up.
 
-Transports (the event plane): ZMQ PUB/SUB by default (each replica binds one PUB socket and connects
-to the peers' endpoints), NATS (one subject) when configured.
+The transport is the caller's: `send` takes each encoded update (it must not block the router), and
+whatever receives the other replicas' updates hands them to `apply` (dynamo_pd.frontend.replicas
+does both on the event plane).
 
-    sync = ZmqReplicaSync(router.load, router_id="r1"); await sync.start(); sync.connect_peer(other.endpoint)
-    router.attach_replica_sync(sync)
+    sync = ReplicaSync(router.load, "r1", send=lambda data: ...); router.attach_replica_sync(sync)
+    sync.apply(data)   # for each update received
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Coroutine, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from router.indexer import WorkerId
 from router.load import LoadTracker
-from router.nats_subscribe import subscribe_live
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +44,15 @@ _decoder = msgspec.msgpack.Decoder(LoadUpdate)
 
 
 class ReplicaSync:
-    def __init__(self, tracker: LoadTracker, router_id: str, placement_ttl_s: float = 600.0) -> None:
+    def __init__(self, tracker: LoadTracker, router_id: str, send: Callable[[bytes], None],
+                 placement_ttl_s: float = 600.0) -> None:
         self.tracker = tracker
         self.router_id = router_id
         self.placement_ttl_s = placement_ttl_s  # longer than any request; workers' reports correct the rest
         self.applied = 0
         self.expired = 0  # remote placements dropped because their finish never came
+        self._send = send
         self._remote: OrderedDict[str, float] = OrderedDict()  # remote placement key -> expiry, oldest first
-        self._task: asyncio.Task | None = None
-        self._sends: set[asyncio.Task] = set()  # referenced until done, or the loop may drop them
 
     def publish(
         self, kind: str, key: str, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
@@ -94,92 +91,3 @@ class ReplicaSync:
             key, _ = self._remote.popitem(last=False)
             if self.tracker.finish(key):
                 self.expired += 1
-
-    def _send_soon(self, send: Coroutine[Any, Any, None]) -> None:
-        """Run an async publish without making the router wait; its failure is logged."""
-        task = asyncio.get_running_loop().create_task(send)
-        self._sends.add(task)
-        task.add_done_callback(self._sent)
-
-    def _sent(self, task: asyncio.Task) -> None:
-        self._sends.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("load update of %s not shared with other replicas: %r", self.router_id, exc)
-
-    async def stop(self) -> None:
-        for task in list(self._sends):
-            task.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            # failures were logged where they occurred
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
-        await self._close()
-
-    def _send(self, data: bytes) -> None: ...
-    async def _close(self) -> None: ...
-
-
-class ZmqReplicaSync(ReplicaSync):
-    def __init__(self, tracker: LoadTracker, router_id: str, endpoint: str = "tcp://127.0.0.1:0") -> None:
-        super().__init__(tracker, router_id)
-        ctx = zmq.asyncio.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.bind(endpoint)
-        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-
-    def connect_peer(self, endpoint: str) -> None:
-        self._sub.connect(endpoint)
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"replica-sync-{self.router_id}")
-
-    async def _run(self) -> None:
-        while True:
-            self.apply(await self._sub.recv())
-
-    def _send(self, data: bytes) -> None:
-        self._pub.send(data, flags=zmq.NOBLOCK)
-
-    async def _close(self) -> None:
-        self._pub.close(linger=0)
-        self._sub.close(linger=0)
-
-
-class NatsReplicaSync(ReplicaSync):
-    def __init__(
-        self,
-        tracker: LoadTracker,
-        router_id: str,
-        servers: str | list[str],
-        subject: str = "dynamo_pd.router.load",
-        connect_timeout: float = 5.0,
-    ) -> None:
-        super().__init__(tracker, router_id)
-        self.servers = servers
-        self.subject = subject
-        self.connect_timeout = connect_timeout
-        self._nc = None
-
-    async def start(self) -> None:
-        import nats  # optional extra: dynamo-pd[nats]
-
-        self._nc = await nats.connect(
-            self.servers, connect_timeout=self.connect_timeout, max_reconnect_attempts=-1
-        )
-
-        async def on_message(msg) -> None:
-            self.apply(msg.data)
-
-        await subscribe_live(self._nc, [self.subject], on_message, self.connect_timeout)
-
-    def _send(self, data: bytes) -> None:
-        self._send_soon(self._nc.publish(self.subject, data))
-
-    async def _close(self) -> None:
-        if self._nc is not None:
-            await self._nc.close()
-            self._nc = None

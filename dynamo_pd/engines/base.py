@@ -13,7 +13,6 @@ DECODE admits a request whose prompt KV arrives through the engine's `kv_loader`
 from __future__ import annotations
 
 import abc
-import asyncio
 import enum
 import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_pd.protocol import EngineOutput, EngineRequest, HandoffMode, KVHandoff
+from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
 
 
@@ -50,24 +50,6 @@ class EngineConfig:
     handoff_lease_s: float = 30.0  # PREFILL: how long held blocks wait for the decode side
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # engine-specific flags, passed through
-
-
-class RequestContext:
-    """Per-request control shared by caller and engine: cancellation, for now."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self._cancelled = asyncio.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    async def wait_cancelled(self) -> None:
-        await self._cancelled.wait()
 
 
 # DECODE role: fill `local_block_ids` with the KV the handoff describes, skipping the first

@@ -23,9 +23,10 @@ from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError, RequestContext
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, TokenLogprob, Usage
+from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.ports import free_port
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 

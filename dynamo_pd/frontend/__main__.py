@@ -80,8 +80,7 @@ async def run(args: argparse.Namespace) -> None:
                                    busy_kv_fraction=args.busy_kv_fraction))
     backend = RemoteBackend(args.model or DEFAULT_MODEL, tokenizer, context_len, discovery, events, router, metrics,
                             BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
-                                          args.inter_token_timeout_s), events_url=args.events,
-                            namespace=args.namespace)
+                                          args.inter_token_timeout_s), namespace=args.namespace)
     await backend.start()
     closers[:0] = [backend.close, events.close, discovery.close]
     app = create_app(backend, FrontendConfig(host=args.host, port=args.port, api_key=args.api_key,

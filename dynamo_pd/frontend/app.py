@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError

@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.frontend.kv_events import KvEventFollower
 from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, OverloadedError, Usage, WorkerInfo
-from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RpcClient, RpcError
+from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.hashing import block_hashes
 from router.service import KvRouter, NoWorkers, Overloaded
@@ -59,16 +59,16 @@ class BackendConfig:
 class RemoteBackend:
     def __init__(self, model_name: str, tokenizer: Any, max_model_len: int, discovery: Discovery,
                  events: EventPlane, router: KvRouter, metrics: Metrics, config: BackendConfig | None = None,
-                 events_url: str | None = None, namespace: str = "dynamo_pd"):
+                 namespace: str = "dynamo_pd"):
         self.model_name, self.tokenizer, self._max_model_len = model_name, tokenizer, max_model_len
         self.discovery, self.events, self.router, self.metrics = discovery, events, router, metrics
         self.config = config or BackendConfig()
-        self._events_url = events_url
         self._load_subject = f"{namespace}.load"
         self.workers: dict[str, WorkerInfo] = {}
         self.rpc = RpcClient(inter_response_timeout_s=self.config.inter_token_timeout_s)
         self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes, for every pool
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
+        self.kv_events = KvEventFollower(router.ingestor, events)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -79,7 +79,7 @@ class RemoteBackend:
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
         await self.replicas.stop()
-        await self.router.close()
+        await self.kv_events.close()
         await self.rpc.close()
 
     @property
@@ -116,6 +116,7 @@ class RemoteBackend:
             if kind == "removed":
                 if (left := self.workers.pop(info.worker_id, None)) is not None:
                     self.rpc.release(left.rpc_endpoint)
+                    self.kv_events.forget(info.worker_id)
                     self.router.remove_worker(info.worker_id)
                     self.metrics.forget_worker(info.worker_id)
                     log.info("worker %s left", info.worker_id)
@@ -131,11 +132,7 @@ class RemoteBackend:
                 continue
             self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30)
             try:
-                if info.kv_events_subject:
-                    await self.router.connect_nats_events(info.worker_id, self._events_url, info.kv_events_subject)
-                elif info.kv_events_endpoint:
-                    await self.router.connect_events(info.worker_id, info.kv_events_endpoint,
-                                                     info.kv_events_replay_endpoint or None)
+                await self.kv_events.follow(info)
             except Exception:  # noqa: BLE001 - the worker still serves; routing just lacks its cache view
                 log.exception("could not follow KV events of %s", info.worker_id)
             self.workers[info.worker_id] = info

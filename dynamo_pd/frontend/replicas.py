@@ -10,27 +10,43 @@ every prediction, so an update lost on the way or a frontend that dies leaves no
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
-from dynamo_pd.runtime import EventPlane
+from dynamo_pd.runtime import EventPlane, Subscription
+from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.load import LoadTracker
 from router.replica_sync import ReplicaSync
+
+log = logging.getLogger(__name__)
 
 
 class EventPlaneReplicaSync(ReplicaSync):
     def __init__(self, tracker: LoadTracker, events: EventPlane, namespace: str) -> None:
-        super().__init__(tracker, router_id=f"frontend-{uuid.uuid4().hex[:8]}")
+        super().__init__(tracker, router_id=f"frontend-{uuid.uuid4().hex[:8]}", send=self._send_soon)
         self._events = events
         self.subject = f"{namespace}.router.load"
+        self._tasks: set[asyncio.Task] = set()  # the follower and sends in flight, referenced until done
 
     async def start(self) -> None:
         subscription = await self._events.subscribe(self.subject)
-        self._task = asyncio.create_task(self._follow(subscription), name=f"replica-sync-{self.router_id}")
+        self._tasks.add(asyncio.create_task(self._follow(subscription), name=f"replica-sync-{self.router_id}"))
 
-    async def _follow(self, subscription) -> None:
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+
+    async def _follow(self, subscription: Subscription) -> None:
         async with subscription:
             async for _subject, payload in subscription:
                 self.apply(payload)
 
-    def _send(self, data: bytes) -> None:
-        self._send_soon(self._events.publish(self.subject, data))
+    def _send_soon(self, data: bytes) -> None:
+        """Publish without making the router wait; a failure is logged (workers' load reports correct it)."""
+        task = asyncio.get_running_loop().create_task(self._events.publish(self.subject, data))
+        self._tasks.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("load update of %s not shared with other replicas: %r", self.router_id, exc)

@@ -6,9 +6,14 @@ Discovery (leases; a dead worker is gone within ~TTL = 3 s):
     reg = await discovery.register(worker_info); await reg.close()
     await discovery.list(); async for kind, info in discovery.watch(): ...   # "added" | "removed"
 
-Event plane (at-most-once, prefix subscriptions on dot-separated subjects):
+Event plane (at-most-once, prefix subscriptions on dot-separated subjects; one per process, so one NATS
+connection carries its load reports, router-replica updates and KV events):
     events = await connect_event_plane(None, discovery)      # ZMQ; or "nats://127.0.0.1:4222"
     await events.publish("load.w1", payload); sub = await events.subscribe("load")
+
+KV event streams (kv_events.py: numbered batches with replay; vLLM's ZMQ wire, or on the event plane):
+    pub = ZmqBatchPublisher(endpoint, replay_endpoint) | PlaneBatchPublisher(events, subject)
+    source = ZmqBatchSource(endpoint, replay_endpoint) | await PlaneBatchSource.subscribe(events, subject)
 
 Request plane (streaming RPC over ZMQ, cancellation both ways, typed errors):
     server = RpcServer(handler); await server.start()   # handler(payload, context) -> AsyncIterator[bytes]
@@ -18,6 +23,7 @@ Everything binds 127.0.0.1 unless given another address, and every wait is bound
 process under uvloop: `uvloop.run(main())`.
 """
 
+from dynamo_pd.runtime.context import RequestContext
 from dynamo_pd.runtime.discovery import Discovery, Registration, connect_discovery
 from dynamo_pd.runtime.discovery_server import DiscoveryServer
 from dynamo_pd.runtime.errors import (
@@ -36,7 +42,7 @@ from dynamo_pd.runtime.rpc_server import RpcServer
 
 __all__ = [
     "Discovery", "DiscoveryServer", "DiscoveryUnavailableError", "EventPlane", "EventPlaneError",
-    "FirstResponseTimeoutError", "Registration", "RemoteError", "RequestCancelledError", "RpcClient",
+    "FirstResponseTimeoutError", "Registration", "RemoteError", "RequestCancelledError", "RequestContext", "RpcClient",
     "RpcError", "RpcServer", "RuntimePlaneError", "Subscription", "WorkerGoneError", "connect_discovery",
     "connect_event_plane",
 ]

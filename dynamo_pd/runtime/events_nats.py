@@ -1,15 +1,50 @@
-"""NATS event plane (nats-py): subjects map one to one; a prefix subscription is `prefix` + `prefix.>`."""
+"""NATS event plane (nats-py): subjects map one to one; a prefix subscription is `prefix` + `prefix.>`.
+
+One connection per plane, and a process has one plane: its KV events, load reports and router-replica
+updates all ride it. Subscriptions are live on the server when `subscribe` returns: nats-py writes a
+flush's PING straight to the socket, ahead of a SUB still queued in its own buffer, so
+`subscribe(); flush()` can return before the server has the subscription, and a message another
+client publishes just then is lost. A probe published on a private inbox after the SUBs travels
+behind them on the same connection: once it comes back, they are all live.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import nats
 import nats.errors
 
 from dynamo_pd.runtime.errors import EventPlaneError
 from dynamo_pd.runtime.events import EventPlane, Subscription, check_subject
-from router.nats_subscribe import subscribe_live
+
+
+async def subscribe_live(nc: nats.NATS, subjects: list[str], cb: Callable[..., Awaitable[None]],
+                         timeout: float) -> list:
+    """Subscribe `cb` to every subject; return the nats-py subscriptions once the server has them.
+
+    Raises nats.errors.TimeoutError when the probe does not come back within `timeout` seconds;
+    then no subscription is left behind.
+    """
+    inbox = nc.new_inbox()
+    probe = await nc.subscribe(inbox)
+    subs = []
+    try:
+        for subject in subjects:
+            subs.append(await nc.subscribe(subject, cb=cb))
+        await nc.publish(inbox, b"")
+        await probe.next_msg(timeout=timeout)
+    except BaseException:
+        for sub in subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        raise
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await probe.unsubscribe()
+    return subs
 
 
 class NatsEventPlane(EventPlane):

@@ -33,9 +33,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import rpc_wire as wire
+from dynamo_pd.runtime.context import RequestContext
 from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,

@@ -27,9 +27,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.protocol import InvalidRequestError
 from dynamo_pd.runtime import rpc_wire as wire
+from dynamo_pd.runtime.context import RequestContext
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from test_native_engine import (  # noqa: F401 - collected here
     wait_idle,
 )
 
-from dynamo_pd.engines.base import EngineConfig, EngineRole, RequestContext, create_engine
+from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
+from dynamo_pd.runtime import RequestContext
 
 pytestmark = pytest.mark.slow  # the served model's tokenizer and config
 SPEEDUP = 20.0

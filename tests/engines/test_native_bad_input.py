@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dynamo_pd.engines.base import EngineConfig, RequestContext
+from dynamo_pd.engines.base import EngineConfig
 from dynamo_pd.engines.native.core import EngineCore
 from dynamo_pd.engines.native.engine import NativeEngine
 from dynamo_pd.llm import LLM
@@ -18,6 +18,7 @@ from dynamo_pd.protocol import (
     SamplingParams,
     StopConditions,
 )
+from dynamo_pd.runtime import RequestContext
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from dynamo_pd.engines.base import EngineConfig, EngineRole, RequestContext, create_engine
+from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.engines.native.engine import NativeEngine
 from dynamo_pd.protocol import (
     EngineOutput,
@@ -16,6 +16,7 @@ from dynamo_pd.protocol import (
     SamplingParams,
     StopConditions,
 )
+from dynamo_pd.runtime import RequestContext
 from router.events import BlockStored
 from router.hashing import block_hashes
 

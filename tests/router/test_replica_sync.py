@@ -1,10 +1,11 @@
-"""Two router replicas share placements over the event plane (ZMQ, NATS) and so spread the load."""
+"""Two router replicas share placements and so spread the load (the event-plane transport:
+tests/frontend/test_replicas.py)."""
 
 import asyncio
 
 from msgspec import msgpack
 
-from router.replica_sync import LoadUpdate, NatsReplicaSync, ZmqReplicaSync
+from router.replica_sync import LoadUpdate, ReplicaSync
 from router.service import KvRouter, RouterConfig
 
 PROMPT = list(range(64))
@@ -49,37 +50,15 @@ async def check_shared_load(a: KvRouter, b: KvRouter):
     await eventually(lambda: all(r.load.load(w).requests == 0 for r in (a, b) for w in ("w0", "w1")))
 
 
-async def test_replicas_over_zmq():
+async def test_replicas_share_their_placements_through_the_transport_they_are_given():
     a, b = replica(), replica()
-    sync_a, sync_b = ZmqReplicaSync(a.load, "a"), ZmqReplicaSync(b.load, "b")
-    sync_a.connect_peer(sync_b.endpoint)
-    sync_b.connect_peer(sync_a.endpoint)
-    await sync_a.start()
-    await sync_b.start()
+    sync_a = ReplicaSync(a.load, "a", send=lambda data: sync_b.apply(data))
+    sync_b = ReplicaSync(b.load, "b", send=lambda data: sync_a.apply(data))
     a.attach_replica_sync(sync_a)
     b.attach_replica_sync(sync_b)
-    await linked(sync_a, sync_b)
-    await linked(sync_b, sync_a)
-    try:
-        await check_shared_load(a, b)
-        sync_a.apply(b"garbage")  # ignored with a warning
-    finally:
-        await sync_a.stop()
-        await sync_b.stop()
-
-
-async def test_replicas_over_nats(nats_url):
-    a, b = replica(), replica()
-    sync_a, sync_b = NatsReplicaSync(a.load, "a", nats_url), NatsReplicaSync(b.load, "b", nats_url)
-    await sync_a.start()
-    await sync_b.start()
-    a.attach_replica_sync(sync_a)
-    b.attach_replica_sync(sync_b)
-    try:
-        await check_shared_load(a, b)
-    finally:
-        await sync_a.stop()
-        await sync_b.stop()
+    await check_shared_load(a, b)
+    sync_a.apply(b"garbage")  # ignored with a warning
+    assert (sync_a.applied, sync_b.applied) == (2, 3)  # b placed and finished; a placed, prefilled, finished
 
 
 async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
@@ -88,18 +67,16 @@ async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr("router.replica_sync.time.monotonic", lambda: now[0])
     a = replica()
-    sync = ZmqReplicaSync(a.load, "a")
-    sync.placement_ttl_s = 60
-    try:
-        for key in ("r1", "r2"):
-            sync.apply(msgpack.encode(LoadUpdate("b", "place", key, "w0", 64, 4)))
-        sync.apply(msgpack.encode(LoadUpdate("b", "finish", "r2")))
-        assert a.load.load("w0").requests == 1
-        now[0] += 59
-        sync.apply(msgpack.encode(LoadUpdate("b", "finish", "unknown")))
-        assert a.load.load("w0").requests == 1 and sync.expired == 0
-        now[0] += 2
-        sync.publish("finish", "local")  # no subscriber: nothing is sent anywhere
-        assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
-    finally:
-        await sync.stop()
+    sent: list[bytes] = []
+    sync = ReplicaSync(a.load, "a", send=sent.append, placement_ttl_s=60)
+    for key in ("r1", "r2"):
+        sync.apply(msgpack.encode(LoadUpdate("b", "place", key, "w0", 64, 4)))
+    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "r2")))
+    assert a.load.load("w0").requests == 1
+    now[0] += 59
+    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "unknown")))
+    assert a.load.load("w0").requests == 1 and sync.expired == 0
+    now[0] += 2
+    sync.publish("finish", "local")
+    assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
+    assert msgpack.decode(sent[0]) == ["a", "finish", "local", "", 0, 0]

@@ -11,6 +11,8 @@ import random
 
 import pytest
 
+from dynamo_pd.frontend.kv_events import KvEventFollower
+from dynamo_pd.protocol import WorkerInfo
 from router.hashing import block_hashes
 from router.indexer import KvIndexer
 from router.service import KvRouter, RouterConfig
@@ -72,10 +74,12 @@ async def test_replayed_and_live_vllm_events_match_project_hashes(vllm_llm):
 
     await asyncio.to_thread(run, batch[:3])  # before the router listens: only the replay has these
 
-    router = KvRouter(RouterConfig(block_size=BLOCK, replay_timeout=5.0))
+    router = KvRouter(RouterConfig(block_size=BLOCK))
     router.add_worker(WORKER, "prefill", capacity_blocks=1000)
     router.add_worker("idle", "prefill", capacity_blocks=1000)
-    await router.connect_events(WORKER, endpoint, replay)
+    follower = KvEventFollower(router.ingestor, None, replay_timeout_s=5.0)
+    await follower.follow(WorkerInfo(worker_id=WORKER, role="prefill", engine="vllm", model="m", rpc_endpoint="",
+                                     kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay))
     await asyncio.to_thread(run, batch[3:])
 
     reference = KvIndexer()
@@ -99,4 +103,4 @@ async def test_replayed_and_live_vllm_events_match_project_hashes(vllm_llm):
         decision = router.route("prefill", "again", batch[5])
         assert (decision.worker_id, decision.overlap_blocks) == (WORKER, len(batch[5]) // BLOCK)
     finally:
-        await router.close()
+        await follower.close()

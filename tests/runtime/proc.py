@@ -13,8 +13,8 @@ import sys
 
 import uvloop
 
-from dynamo_pd.engines.base import RequestContext
 from dynamo_pd.protocol import WorkerInfo
+from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.discovery import connect_discovery
 from dynamo_pd.runtime.rpc_client import RpcClient
 from dynamo_pd.runtime.rpc_server import RpcServer

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from dynamo_pd.engines.base import RequestContext
+from dynamo_pd.runtime import RequestContext
 from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,

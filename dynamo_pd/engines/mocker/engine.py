@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader, RequestContext
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader
 from dynamo_pd.engines.mocker.core import MockerCore, TextTable
 from dynamo_pd.engines.mocker.profile import Profile, h100_llama8b
 from dynamo_pd.engines.native.core import EngineStats
 from dynamo_pd.protocol import EngineOutput, EngineRequest
+from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.events import KVEvent
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader, RequestContext
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader
 from dynamo_pd.engines.native.core import EngineCore, EngineStats
 from dynamo_pd.protocol import EngineOutput, EngineRequest
+from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
 
 log = logging.getLogger(__name__)

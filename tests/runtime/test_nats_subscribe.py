@@ -7,9 +7,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from router.nats_subscribe import subscribe_live
-
 nats = pytest.importorskip("nats")
+from dynamo_pd.runtime.events_nats import subscribe_live
+
 HOLD_S = 0.5
 
 

@@ -1,0 +1,55 @@
+"""The frontend's router follows each worker's KV events: a runtime transport in, router.ingest in order.
+
+A worker advertises its events in its WorkerInfo: a subject on the event plane (NATS: they ride this
+process's one event-plane connection) or a ZMQ publisher in vLLM's wire format with its replay socket
+(ours, or a vLLM engine's own). One task per worker feeds that stream to `EventIngestor.follow`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dynamo_pd.protocol import WorkerInfo
+from dynamo_pd.runtime import EventPlane
+from dynamo_pd.runtime.kv_events import PlaneBatchSource, ZmqBatchSource
+from dynamo_pd.runtime.tasks import cancel_and_wait
+from router.ingest import EventIngestor
+
+log = logging.getLogger(__name__)
+
+
+class KvEventFollower:
+    def __init__(self, ingestor: EventIngestor, events: EventPlane, replay_timeout_s: float = 2.0) -> None:
+        self._ingestor, self._events, self._replay_timeout_s = ingestor, events, replay_timeout_s
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def follow(self, info: WorkerInfo) -> None:
+        """Follow `info`'s KV events from now on (an event-plane subscription is live when this returns)."""
+        if info.kv_events_subject:
+            source = await PlaneBatchSource.subscribe(self._events, info.kv_events_subject)
+        elif info.kv_events_endpoint:
+            source = ZmqBatchSource(info.kv_events_endpoint, info.kv_events_replay_endpoint or None,
+                                    replay_timeout_s=self._replay_timeout_s)
+        else:
+            return
+        self.forget(info.worker_id)
+        self._tasks[info.worker_id] = asyncio.create_task(self._run(info.worker_id, source),
+                                                          name=f"kv-events-{info.worker_id}")
+
+    async def _run(self, worker_id: str, source: PlaneBatchSource | ZmqBatchSource) -> None:
+        try:
+            await self._ingestor.follow(worker_id, source)
+        except Exception:
+            log.exception("worker %s: KV event subscriber stopped", worker_id)
+        finally:
+            await source.close()
+
+    def forget(self, worker_id: str) -> None:
+        """Stop following `worker_id` (it left); its task closes its subscription as it ends."""
+        if (task := self._tasks.pop(worker_id, None)) is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._tasks.values())
+        self._tasks.clear()
