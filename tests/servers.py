@@ -74,8 +74,11 @@ def etcd_server(tmp: Path) -> Iterator[str]:
 
 
 @contextmanager
-def nats_server(tmp: Path) -> Iterator[str]:
+def nats_server(tmp: Path, monitor_port: int | None = None) -> Iterator[str]:
+    """`monitor_port`: also serve the monitoring endpoints (/connz lists the connections) over HTTP there."""
     port = free_port()
     args = [binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp / "js")]
+    if monitor_port is not None:
+        args += ["-m", str(monitor_port)]
     with running_server(args, port, tmp / "nats.log"):
         yield f"nats://127.0.0.1:{port}"
