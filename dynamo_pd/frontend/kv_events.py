@@ -23,6 +23,7 @@ class KvEventFollower:
     def __init__(self, ingestor: EventIngestor, events: EventPlane, replay_timeout_s: float = 2.0) -> None:
         self._ingestor, self._events, self._replay_timeout_s = ingestor, events, replay_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}
+        self._stopping: set[asyncio.Task] = set()  # forgotten, still closing their subscription: referenced
 
     async def follow(self, info: WorkerInfo) -> None:
         """Follow `info`'s KV events from now on (an event-plane subscription is live when this returns)."""
@@ -49,7 +50,9 @@ class KvEventFollower:
         """Stop following `worker_id` (it left); its task closes its subscription as it ends."""
         if (task := self._tasks.pop(worker_id, None)) is not None:
             task.cancel()
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     async def close(self) -> None:
-        await cancel_and_wait(self._tasks.values())
+        await cancel_and_wait([*self._tasks.values(), *self._stopping])
         self._tasks.clear()
