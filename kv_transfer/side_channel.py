@@ -8,6 +8,9 @@ Wire format (every message is multipart):
 Every wait is bounded: a call that sees no message for `timeout` seconds raises PeerLostError.
 The server answers each request in its own task, so a Begin or Finish never waits behind a bulk copy;
 malformed messages are counted and dropped. A client keeps at most MAX_IDLE idle connections.
+Not dynamo_pd.runtime's request plane: kv_transfer is a library below dynamo_pd (it imports nothing
+from it), and this channel carries KV bytes: unbounded queues of zero-copy data frames, inproc://
+endpoints between agents in one process, and a lost peer found by the call's timeout and the hand-off's lease.
 """
 
 from __future__ import annotations

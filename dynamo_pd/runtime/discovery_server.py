@@ -12,6 +12,9 @@ Wire: the client's DEALER sends one msgpack `ClientMsg` per message; the server 
 request with a `Reply` carrying the same `req`, and pushes `Change`s tagged with the watch's
 `req`. Watches of a client silent for WATCH_IDLE_S are dropped. Lease ids are random so a
 restarted server never renews a stranger's lease by accident.
+Its own ROUTER loop, not rpc_server's: these are small idempotent requests a client resends, answered
+at once, plus changes the server pushes unasked; a gone peer's messages are simply dropped. The RPC
+server's streams, cancellation and unreachable-client errors would be dead weight here.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ client silent for `client_timeout_s` (it pings every second while it has streams
 that is gone sets the context and cancels the task, so the handler's `finally` frees what it
 holds. A handler's `InvalidRequestError` reaches the client as itself (the client's fault); any
 other exception as `RemoteError(type name, message)`.
+The discovery server keeps its own ROUTER loop (see its docstring): the two share only a socket's
+setup, while their protocols (streams with cancellation here; resent requests and pushed changes
+there) and their handling of a gone peer differ.
 """
 
 from __future__ import annotations
