@@ -5,7 +5,7 @@ What delivers KV events and load reports lives in dynamo_pd.runtime; the fronten
 
     hashing.py       the one block-hashing scheme (xxh3_64, seed 1337, chained sequence hashes)
     events.py        vLLM's KV event structs; decode_batch reads every form engines send
-    ingest.py        engine hashes -> project hashes (via token_ids); a stream in order, replay or rebuild on gaps
+    ingest.py        engine hashes -> project hashes (via token_ids); streams in order, replayed or rebuilt
     indexer.py       which worker holds which blocks; find_matches; dump/restore; memory
     load.py          predicted active load per worker, corrected by the workers' reports
     policies.py      kv-aware (Dynamo's cost), round-robin, random, least-loaded, cache-aware (SGLang)

@@ -151,12 +151,15 @@ class EventIngestor:
             try:
                 if self.deliver(worker, seq, payload) is not Delivery.GAP:
                     continue
-                log.warning("worker %s: KV event batches %d..%d missing", worker, self.expected_seq(worker), seq - 1)
-                if not await self.catch_up(worker, replay) or self.deliver(worker, seq, payload) is Delivery.GAP:
+                log.warning("worker %s: KV event batches %d..%d missing", worker, self.expected_seq(worker),
+                            seq - 1)
+                if not await self.catch_up(worker, replay) or \
+                        self.deliver(worker, seq, payload) is Delivery.GAP:
                     self.reset_worker(worker)
                     self.deliver(worker, seq, payload)
             except EventDecodeError as exc:  # a batch we cannot read is a batch we missed
-                log.error("worker %s: undecodable KV event batch %d (%s): dropping its state", worker, seq, exc)
+                log.error("worker %s: undecodable KV event batch %d (%s): dropping its state", worker, seq,
+                          exc)
                 self.reset_worker(worker)
 
     async def catch_up(self, worker: WorkerId, replay: Replay | None) -> bool:
@@ -173,7 +176,8 @@ class EventIngestor:
                     self.reset_worker(worker)
                     self.deliver(worker, seq, payload, live=False)
             except EventDecodeError as exc:
-                log.error("worker %s: undecodable replayed batch %d (%s): dropping its state", worker, seq, exc)
+                log.error("worker %s: undecodable replayed batch %d (%s): dropping its state", worker, seq,
+                          exc)
                 self.reset_worker(worker)
         return True
 

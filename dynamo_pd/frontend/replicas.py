@@ -30,7 +30,8 @@ class EventPlaneReplicaSync(ReplicaSync):
 
     async def start(self) -> None:
         subscription = await self._events.subscribe(self.subject)
-        self._tasks.add(asyncio.create_task(self._follow(subscription), name=f"replica-sync-{self.router_id}"))
+        follower = asyncio.create_task(self._follow(subscription), name=f"replica-sync-{self.router_id}")
+        self._tasks.add(follower)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)

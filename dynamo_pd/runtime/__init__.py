@@ -42,7 +42,7 @@ from dynamo_pd.runtime.rpc_server import RpcServer
 
 __all__ = [
     "Discovery", "DiscoveryServer", "DiscoveryUnavailableError", "EventPlane", "EventPlaneError",
-    "FirstResponseTimeoutError", "Registration", "RemoteError", "RequestCancelledError", "RequestContext", "RpcClient",
-    "RpcError", "RpcServer", "RuntimePlaneError", "Subscription", "WorkerGoneError", "connect_discovery",
+    "FirstResponseTimeoutError", "Registration", "RemoteError", "RequestCancelledError", "RequestContext",
+    "RpcClient", "RpcError", "RpcServer", "RuntimePlaneError", "Subscription", "WorkerGoneError", "connect_discovery",
     "connect_event_plane",
 ]

@@ -6,7 +6,7 @@ import asyncio
 
 
 class RequestContext:
-    """Cancellation, for now: the caller (or the RPC server, for a client that left) cancels, the engine aborts."""
+    """Cancellation, for now: the caller (or the RPC server, for a client gone) cancels, the engine aborts."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id

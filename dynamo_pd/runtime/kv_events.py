@@ -60,7 +60,8 @@ class ZmqBatchPublisher:
         self._tasks: list[asyncio.Task] = []
         if replay_endpoint is not None:
             self._replay = ctx.socket(zmq.ROUTER)
-            self._replay.linger, self._replay.sndhwm = 0, buffer_steps + 1  # a whole replay fits: never dropped
+            self._replay.linger = 0
+            self._replay.sndhwm = buffer_steps + 1  # a whole replay fits: never dropped
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="kv-events-replay"))
@@ -98,7 +99,8 @@ class ZmqBatchPublisher:
 
 
 class ZmqBatchSource:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, replay_timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None,
+                 replay_timeout_s: float = 2.0) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.replay = self._replay if replay_endpoint is not None else None
         self._replay_timeout_s = replay_timeout_s
@@ -126,11 +128,13 @@ class ZmqBatchSource:
             while True:
                 # dealer.poll, not asyncio.wait_for: on Python < 3.12 wait_for can swallow a cancellation
                 if not await dealer.poll(self._replay_timeout_s * 1000):
-                    log.warning("replay from %s timed out after %.1fs", self.replay_endpoint, self._replay_timeout_s)
+                    log.warning("replay from %s timed out after %.1fs", self.replay_endpoint,
+                                self._replay_timeout_s)
                     return None
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
-                    log.warning("malformed replay reply from %s (%d frames)", self.replay_endpoint, len(frames))
+                    log.warning("malformed replay reply from %s (%d frames)", self.replay_endpoint,
+                                len(frames))
                     return None
                 if frames[2] == END_SEQ:
                     return batches
