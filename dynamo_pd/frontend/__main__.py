@@ -11,13 +11,13 @@ import signal
 
 import uvicorn
 
-from dynamo_pd.cli import NAMESPACE_HELP, check_namespace
+from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
-from router.service import POLICIES, KvRouter, RouterConfig
+from router.service import KvRouter, RouterConfig
 
 log = logging.getLogger("dynamo_pd.frontend")
 
@@ -34,30 +34,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("DYNAMO_PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health and /ready "
                         "(default: $DYNAMO_PD_API_KEY)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size, for routing")
-    p.add_argument("--router-policy", default=RouterConfig.policy, choices=POLICIES,
-                   help="time: the least predicted latency, from the costs workers measure (router/policies.py); "
-                        "kv: Dynamo's overlap_weight * prefill blocks + active blocks; or a baseline "
-                        f"(default {RouterConfig.policy})")
-    p.add_argument("--overlap-weight", type=float, default=1.0, help="the kv policy's weight of a prefill block")
-    p.add_argument("--router-temperature", type=float, default=0.0)
-    p.add_argument("--busy-kv-fraction", type=float, default=0.95)
-    p.add_argument("--local-prefill-tokens", type=int, default=0,
-                   help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
-    p.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
-    p.add_argument("--inter-token-timeout-s", type=float, default=60.0,
-                   help="end a request (503, its worker's work cancelled) when its worker sends nothing this long "
-                        "after the first token: a wedged engine")
+    add_frontend_args(p)
     args = p.parse_args(argv)
     if not (args.discovery.startswith("tcp://") or args.discovery.startswith("etcd://")):
         p.error(f"--discovery must be etcd://HOST:PORT or tcp://HOST:PORT, got {args.discovery!r}")
     if args.events is not None and not args.events.startswith("nats://"):
         p.error(f"--events must be nats://HOST:PORT, got {args.events!r}")
-    if args.inter_token_timeout_s <= 0:
-        p.error(f"--inter-token-timeout-s must be > 0, got {args.inter_token_timeout_s}")
-    if not 0 < args.busy_kv_fraction <= 1:
-        p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
+    check_frontend_args(p, args)
     return args
 
 
