@@ -50,15 +50,20 @@ async def check_shared_load(a: KvRouter, b: KvRouter):
     await eventually(lambda: all(r.load.load(w).requests == 0 for r in (a, b) for w in ("w0", "w1")))
 
 
-async def test_replicas_share_their_placements_through_the_transport_they_are_given():
+async def test_replicas_share_their_placements_through_the_transport_they_are_given(caplog):
     a, b = replica(), replica()
     sync_a = ReplicaSync(a.load, "a", send=lambda data: sync_b.apply(data))
     sync_b = ReplicaSync(b.load, "b", send=lambda data: sync_a.apply(data))
     a.attach_replica_sync(sync_a)
     b.attach_replica_sync(sync_b)
     await check_shared_load(a, b)
-    sync_a.apply(b"garbage")  # ignored with a warning
     assert (sync_a.applied, sync_b.applied) == (2, 3)  # b placed and finished; a placed, prefilled, finished
+    a.route("prefill", "r2", PROMPT)
+    before = [a.load.load(w) for w in ("w0", "w1")]
+    with caplog.at_level("WARNING", logger="router.replica_sync"):
+        sync_a.apply(b"garbage")
+    assert [a.load.load(w) for w in ("w0", "w1")] == before and sync_a.applied == 2  # nothing applied
+    assert "ignored a malformed load update (7 bytes)" in caplog.text
 
 
 async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
