@@ -1,0 +1,189 @@
+"""CoreDriver: an EngineCore's request life behind the async Engine contract.
+
+NativeEngine runs its core on a step thread, MockerEngine its MockerCore in an asyncio task; both
+drive it the same way, and this is that way: a request is added with a delivery sink, its outputs
+are emitted to it, it ends or is aborted, a DECODE request's KV is loaded through `kv_loader`, and
+`generate` waits for each item with cancellation. Only the core's loop touches the core and the
+sinks: callers reach it through `_do`. Subclasses say how a command reaches that loop (`_do`), how
+a request waits for its next item (`_receive`), and run the loop, which calls `_step`, `_deliver`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader
+from dynamo_pd.engines.native.core import EngineCore, EngineStats
+from dynamo_pd.protocol import EngineOutput, EngineRequest
+from dynamo_pd.runtime import RequestContext
+from router.events import KVEvent
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how often an idle core loop wakes (lease expiry, shutdown)
+
+
+@dataclass
+class LoadOrder:
+    """DECODE role: blocks are reserved; the request's consumer must fill them."""
+
+    block_ids: list[int]
+    cached_blocks: int
+
+
+class CoreDriver(Engine):
+    kv_handoffs = ("pull", "push")
+
+    def __init__(self, config: EngineConfig, kv_loader: KVLoader | None):
+        if config.role is EngineRole.DECODE and kv_loader is None:
+            raise ValueError(f"a DECODE {type(self).__name__} needs a kv_loader to import prompt KV")
+        self.config = config
+        self.role = config.role
+        self.kv_loader = kv_loader
+        self.stats = EngineStats()
+        self._core: EngineCore | None = None
+        self._sinks: dict[str, Callable[[Any], None]] = {}  # request id -> delivery to its generator
+
+    @abc.abstractmethod
+    def _core_or_raise(self) -> EngineCore: ...
+
+    @abc.abstractmethod
+    def _do(self, command: Callable[[], None]) -> None:
+        """Run `command` on the core's loop, before its next step."""
+
+    def _sink(self, rid: str, inbox: asyncio.Queue) -> Callable[[Any], None]:
+        """How the core's loop delivers to a request's generator (here: they share the event loop)."""
+        return inbox.put_nowait
+
+    @abc.abstractmethod
+    async def _receive(self, inbox: asyncio.Queue, context: RequestContext, aborted: bool) -> Any:
+        """The request's next item; None when the context was cancelled first."""
+
+    async def _after_load(self, request: EngineRequest, order: LoadOrder) -> None:
+        """Called once kv_loader has filled the blocks, before the core learns of it."""
+
+    # ---- what workers and kv_transfer read
+
+    @property
+    def tokenizer(self):
+        return self._core_or_raise().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core_or_raise().max_model_len
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim], one contiguous tensor (the
+        mocker's is a stand-in in this layout: 1 layer, 1 head of 4 floats holding token ids)."""
+        return self._core_or_raise().kv_cache
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events since the last call, in order (safe from any thread)."""
+        return self._core_or_raise().block_manager.drain_events()
+
+    # ---- requests (on the caller's loop)
+
+    async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        core = self._core_or_raise()
+        core.check_request(request)
+        rid = request.request_id
+        inbox: asyncio.Queue = asyncio.Queue()
+        deliver = self._sink(rid, inbox)
+        self._do(lambda: self._add(request, deliver))
+        done = aborted = False
+        try:
+            while True:
+                if context.cancelled and not aborted:
+                    aborted = True
+                    self._do(lambda: self._end_request(rid, "abort"))
+                item = await self._receive(inbox, context, aborted)
+                if item is None:
+                    continue  # cancelled while waiting: abort at the top of the loop
+                if isinstance(item, BaseException):
+                    done = True  # rejected before it started (e.g. a duplicate id): nothing to abort
+                    raise item
+                if isinstance(item, LoadOrder):
+                    if not aborted:
+                        await self._load(request, item)
+                    continue
+                done = item.finish_reason is not None
+                yield item
+                if done:
+                    return
+        finally:
+            if not done and not aborted:  # the consumer closed the stream or was cancelled
+                self._do(lambda: self._end_request(rid, "abort"))
+
+    async def _load(self, request: EngineRequest, order: LoadOrder) -> None:
+        rid = request.request_id
+        try:
+            first_token_id = await asyncio.wait_for(
+                self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
+                timeout=self.config.handoff_lease_s + request.handoff.wait_s)
+            await self._after_load(request, order)
+        except Exception as exc:  # noqa: BLE001 - any loader failure ends this request, not the engine
+            message = f"KV load for {rid!r} failed: {exc!r}"
+            self._do(lambda: self._end_request(rid, "error", message))
+            return
+        self._do(lambda: self._emit(self._core.finish_load(rid, first_token_id)))
+
+    # ---- the core's loop
+
+    def _add(self, request: EngineRequest, deliver: Callable[[Any], None]) -> None:
+        try:
+            self._core.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - the caller raises it
+            deliver(exc)
+            return
+        self._sinks[request.request_id] = deliver
+
+    def _emit(self, out: EngineOutput | None) -> None:
+        if out is None:
+            return
+        deliver = self._sinks.pop(out.request_id) if out.finish_reason else self._sinks.get(out.request_id)
+        if deliver is not None:
+            deliver(out)
+
+    def _end_request(self, rid: str, reason: str, error: str | None = None) -> None:
+        self._emit(self._core.end_request(rid, reason, error))
+
+    def _end_all(self) -> None:
+        """Stopping: abort every request and give back every held hand-off."""
+        for rid in list(self._core.seqs):
+            self._end_request(rid, "abort")
+        for rid in list(self._core.held):
+            self._core.release_handoff(rid)
+
+    def _idle_timeout(self) -> float:
+        """How long an idle loop may wait: IDLE_POLL_S, or less when a hand-off lease expires sooner."""
+        timeout = IDLE_POLL_S
+        if self._core.held:
+            next_expiry = min(deadline for _, deadline in self._core.held.values())
+            timeout = min(timeout, max(0.0, next_expiry - time.monotonic()))
+        return timeout
+
+    def _step(self) -> list[EngineOutput]:
+        try:
+            return self._core.step()
+        except Exception as exc:  # fail the batch, keep serving
+            log.exception("%s step failed", type(self).__name__)
+            return self._core.fail_all(f"engine step failed: {exc!r}")
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        """After a step: its outputs to their requests, then load orders to newly admitted DECODE ones."""
+        core = self._core
+        self.stats = core.stats()  # before delivery: a caller seeing an output sees stats after it
+        for out in outputs:
+            self._emit(out)
+        for seq in core.take_new_loads():
+            cached_blocks = (seq.num_cached_tokens or 0) // core.block_manager.block_size
+            self._sinks[seq.request_id](LoadOrder(list(seq.block_table), cached_blocks))
