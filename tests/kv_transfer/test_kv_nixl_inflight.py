@@ -6,7 +6,6 @@ not stop it (the bytes land when the peer resumes), nor does removing the peer's
 """
 
 import asyncio
-import logging
 import os
 import signal
 
