@@ -64,10 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def crossover(summaries: list[report.Summary], agg: str, disagg: str) -> float | None:
-    """The lowest load at which disaggregation's goodput is higher than aggregation's."""
+    """The lowest load from which on disaggregation's goodput is higher than aggregation's at every load."""
     by_x = {(s.config, s.x): s.goodput for s in summaries}
-    return next((x for x in sorted({s.x for s in summaries})
-                 if by_x.get((disagg, x), 0) > by_x.get((agg, x), float("inf"))), None)
+    found = None
+    for x in sorted({s.x for s in summaries}, reverse=True):
+        if not by_x.get((disagg, x), 0) > by_x.get((agg, x), float("inf")):
+            break
+        found = x
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.osl} output tokens; all times in {time_note}. ITL: gaps between streamed chunks, all requests; "
             f"TPOT: per request (latency - TTFT) / (output tokens - 1); goodput: requests/s with TTFT <= "
             f"{slo.ttft_ms:g} ms and TPOT <= {slo.itl_ms:g} ms.")
-    cross_md = (f"Disaggregation's goodput first exceeds aggregation's at **{cross:g} {unit}**." if cross is not None
-                else "Disaggregation's goodput does not exceed aggregation's at any load point here.")
+    cross_md = (f"Disaggregation's goodput exceeds aggregation's from **{cross:g} {unit}** on." if cross is not None
+                else "Disaggregation's goodput does not exceed aggregation's at the highest load here.")
     report.write(session.out, f"Aggregated vs disaggregated: {agg} vs {disagg}", note, session.summaries,
                  session.ttfts, {"crossover": cross, "crossover_md": cross_md})
     report.plot_ttft_cdf(session.out / "ttft_cdf.png", session.ttfts, list(dict.fromkeys(s.group for s in session.summaries)))

@@ -101,7 +101,9 @@ def test_crossover():
     def s(config, x, goodput):
         return report.Summary(config, f"{x}", x, 1, 0, {}, {}, {}, {}, 0, 0, goodput, 0, None, None, 0)
 
-    runs = [s("agg", 1, 5), s("dis", 1, 4), s("agg", 2, 6), s("dis", 2, 6), s("agg", 3, 5), s("dis", 3, 7)]
+    # disaggregation ahead at 1 (noise), level at 2, ahead from 3 on
+    runs = [s("agg", 1, 5), s("dis", 1, 6), s("agg", 2, 6), s("dis", 2, 6), s("agg", 3, 5), s("dis", 3, 7),
+            s("agg", 4, 4), s("dis", 4, 8)]
     assert crossover(runs, "agg", "dis") == 3
     assert crossover(runs[:4], "agg", "dis") is None
 
