@@ -87,8 +87,17 @@ class Registration:
         self._task: asyncio.Task | None = None
         self._on_close: Callable[[Registration], None] = lambda reg: None
 
-    async def _start(self) -> None:
-        await self._put_under_new_lease()
+    async def _start(self, patience_s: float) -> None:
+        """Register, retrying for `patience_s`: a backend slow to answer (a loaded host) is no reason to die."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                await self._put_under_new_lease()
+                break
+            except DiscoveryUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("registering %s failed, retrying: %s", self.key, exc)
         self._task = asyncio.create_task(self._keep_alive(), name=f"lease-{self.key}")
 
     async def _put_under_new_lease(self) -> None:
@@ -157,7 +166,7 @@ class Discovery:
 
     async def advertise(self, key: str, value: bytes) -> Registration:
         reg = Registration(self._store, self._root + key, value, self.ttl_s, self.keepalive_s)
-        await reg._start()
+        await reg._start(self.reconnect_timeout_s)
         reg._on_close = self._registrations.discard
         self._registrations.add(reg)
         return reg

@@ -140,6 +140,21 @@ async def test_unreachable_backends_raise_in_bounded_time():
         await connect_discovery(f"etcd://127.0.0.1:{port}", request_timeout_s=1.0)
 
 
+
+async def test_registering_outlasts_a_backend_slow_to_answer():
+    """A loaded host's discovery server may miss a Grant's deadline: the worker retries, it does not die."""
+    port = free_port()
+    discovery = await connect_discovery(f"tcp://127.0.0.1:{port}", request_timeout_s=0.5)
+    registering = asyncio.create_task(discovery.register(worker("w1")))
+    await asyncio.sleep(1.5)  # three request timeouts pass with nobody listening
+    assert not registering.done()
+    async with DiscoveryServer(f"tcp://127.0.0.1:{port}") as server:
+        registration = await asyncio.wait_for(registering, 10)
+        async with await connect_discovery(server.url) as observer:
+            assert [w.worker_id for w in await observer.list()] == ["w1"]
+        await registration.close()
+    await discovery.close()
+
 async def test_bad_url_and_bad_worker_id_are_rejected():
     with pytest.raises(ValueError, match="must start with etcd:// or tcp://"):
         await connect_discovery("http://127.0.0.1:1")
