@@ -1,9 +1,7 @@
 """Start a deployment for a comparison, wait until the frontend routes to every worker, stop it.
 
 The frontend and the workers are started here, process by process, rather than through
-`python -m dynamo_pd.serve`, which cannot yet (1) pass the frontend its `--router-policy`, (2) pin
-each worker to its own cores, or (3) run many mocker workers in one process (`dynamo_pd.mocker`).
-Mocker workers of one role share one process (they compute nothing); every other engine's worker
+`python -m dynamo_pd.serve`, which does not pin each worker to its own cores. Mocker workers of one role share one process (they compute nothing); every other engine's worker
 is its own process pinned to its share of this process's cores, so N aggregated workers and xPyD
 with x + y = N get the same compute.
 """
@@ -13,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from dynamo_pd.runtime.ports import free_port
+from dynamo_pd.serve import stop_children
 
 _READY_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 15.0
@@ -111,17 +109,5 @@ def running(d: Deployment, log_dir: Path) -> Iterator[str]:
                 time.sleep(0.5)  # polling a child process's state: there is nothing to wait on
         yield url
     finally:
-        _stop([child for _, child in children])
+        stop_children([child for _, child in children], _STOP_GRACE_S)
 
-
-def _stop(children: list[subprocess.Popen]) -> None:
-    for child in reversed(children):  # workers first, the frontend (and discovery) last
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
-    for child in children:
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()

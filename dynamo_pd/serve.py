@@ -177,11 +177,12 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
             await discovery.close()
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
-    for child in reversed(children):  # workers first, the frontend (and discovery) last
+def stop_children(children: list[subprocess.Popen], grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM workers first, the frontend (and discovery) last; kill what outlives `grace_s`."""
+    for child in reversed(children):
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for child in children:
         try:
             child.wait(max(0.1, deadline - time.monotonic()))
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         print("dynamo-pd: stopping", flush=True)
     finally:
         _ignore_signals()
-        _stop(children)
+        stop_children(children)
 
 
 def _ignore_signals() -> None:
