@@ -187,8 +187,13 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": backend.model_name, "object": "model", "owned_by": "dynamo-pd"}]}
+    async def models() -> Response:
+        # A model is listed once a worker serves it: clients that poll this route for readiness (as vLLM's
+        # and SGLang's servers allow, which listen only when ready) must not ask before then.
+        if not backend.ready():
+            return error_response(503, "no workers ready", "service_unavailable")
+        return JSONResponse({"object": "list",
+                             "data": [{"id": backend.model_name, "object": "model", "owned_by": "dynamo-pd"}]})
 
     @app.post("/v1/chat/completions")
     async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:

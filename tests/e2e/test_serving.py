@@ -196,6 +196,8 @@ def test_a_frontend_without_workers_answers_503_and_is_not_ready(tmp_path):
     try:
         deployment.wait_for(lambda: _answers(deployment), 60, "frontend up")
         assert deployment.get("/ready")[0] == 503
+        status, body = deployment.get("/v1/models")  # no model is served until a worker serves it
+        assert status == 503 and b"no workers ready" in body
         status, body = deployment.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert status == 503 and body["error"]["code"] == "overloaded", body
     finally:
