@@ -44,7 +44,6 @@ from dynamo_pd.runtime import (
     connect_event_plane,
 )
 from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
-from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.memory import KVMemory
@@ -102,7 +101,7 @@ class Worker:
             # vLLM binds only wildcard or ipc endpoints (it connects to others), and wildcard is every interface
             socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
             cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
-            cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"tcp://{cfg.host}:{free_port(cfg.host)}")
+            cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"ipc://{socket_path}.replay")
         loader = self._load_kv if self.role is EngineRole.DECODE and engine_class.kv_handoffs else None
         # The agent frees hand-off blocks in the engine; the engine's own lease is only the backstop for
         # a release that never comes, so it must outlast every transfer the agent still allows.
