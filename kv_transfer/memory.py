@@ -168,3 +168,64 @@ class BufferPool:
 
 
 STAGING = BufferPool()
+
+
+class BlobPool:
+    """Byte strings (llama.cpp sequence states) kept in fixed-size blocks, shaped as a native KV cache
+    [1, 2, num_blocks, 1, 1, block_bytes // 2] of uint8, so KVMemory.native(pool.tensor, model) lets
+    the KV transfer agent hold, pull and push them like KV blocks. A blob is stored with an 8-byte
+    length in front; block i of a blob holds its bytes [i * block_bytes, (i + 1) * block_bytes), the
+    first half in K and the second in V. Allocation is thread-safe."""
+
+    HEADER = 8
+
+    def __init__(self, num_blocks: int, block_bytes: int):
+        if num_blocks < 1 or block_bytes < 2 or block_bytes % 2:
+            raise ValueError(f"a blob pool needs >= 1 block of an even number of bytes, got {num_blocks} x {block_bytes}")
+        self.block_bytes = block_bytes
+        self.tensor = torch.empty((1, 2, num_blocks, 1, 1, block_bytes // 2), dtype=torch.uint8)  # pages on first use
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[2]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, nbytes: int) -> int:
+        return -(-(nbytes + self.HEADER) // self.block_bytes)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        with self._lock:
+            if num_blocks > len(self._free):
+                raise MemoryError(f"blob pool: {num_blocks} blocks wanted, {len(self._free)} of "
+                                  f"{self.num_blocks} free")
+            return [self._free.pop() for _ in range(num_blocks)]
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(block_ids)
+
+    def write(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
+        """Store `data` (with its length) in `block_ids`, which must be exactly enough blocks."""
+        if len(block_ids) != self.blocks_for(len(data)):
+            raise ValueError(f"{len(data)} bytes need {self.blocks_for(len(data))} blocks, got {len(block_ids)}")
+        packed = np.zeros(len(block_ids) * self.block_bytes, dtype=np.uint8)
+        packed[: self.HEADER] = np.frombuffer(len(data).to_bytes(self.HEADER, "little"), dtype=np.uint8)
+        packed[self.HEADER : self.HEADER + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        halves = torch.from_numpy(packed).view(len(block_ids), 2, -1)
+        ids = torch.as_tensor(list(block_ids))
+        self.tensor[0, 0, ids, 0, 0] = halves[:, 0]
+        self.tensor[0, 1, ids, 0, 0] = halves[:, 1]
+
+    def read(self, block_ids: Sequence[int]) -> bytes:
+        """The blob `write` stored in `block_ids` (or a transfer filled them with)."""
+        ids = torch.as_tensor(list(block_ids))
+        packed = torch.stack([self.tensor[0, 0, ids, 0, 0], self.tensor[0, 1, ids, 0, 0]], dim=1).view(-1)
+        nbytes = int.from_bytes(packed[: self.HEADER].numpy().tobytes(), "little")
+        if nbytes > len(packed) - self.HEADER:
+            raise ValueError(f"blocks {list(block_ids)} hold no blob: its length {nbytes} exceeds them")
+        return packed[self.HEADER : self.HEADER + nbytes].numpy().tobytes()
