@@ -45,7 +45,7 @@ from kv_transfer.protocol import (
     Begin, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError, ReleaseReason,
     Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
 )
-from kv_transfer.side_channel import SideChannelClient, SideChannelServer
+from kv_transfer.side_channel import SideChannelClient, SideChannelServer, max_message_bytes
 from kv_transfer.transports import (
     ByteSink, TransferConfig, block_frames, make_transport, stream_frames, to_the_end,
 )
@@ -75,7 +75,8 @@ class KVTransferAgent:
         self.engine_id = engine_id
         self.memory = memory
         self.config = config or TransferConfig()
-        self._client = SideChannelClient()
+        self._max_bytes = max_message_bytes(memory.layout.num_blocks, self.config.frame_bytes)
+        self._client = SideChannelClient(max_bytes=self._max_bytes, guard=self.config.guard)
         self.transport = make_transport(memory, engine_id, self._client, self.config)
         self._holds: dict[str, _Hold] = {}
         self._ended: OrderedDict[str, ReleaseReason] = OrderedDict()
@@ -94,7 +95,8 @@ class KVTransferAgent:
 
     async def start(self) -> KVTransferAgent:
         default = f"inproc://kv-{self.engine_id}" if self.config.transport == "inproc" else "tcp://127.0.0.1:0"
-        self._server = SideChannelServer(self.config.endpoint or default, self._handle)
+        self._server = SideChannelServer(self.config.endpoint or default, self._handle, max_bytes=self._max_bytes,
+                                         guard=self.config.guard, advertise_host=self.config.advertise_host)
         self._server.start()
         await self.transport.start(self._server.endpoint)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

@@ -6,6 +6,10 @@ Wire format (every message is multipart):
     server -> client  [call_id, b"D", *data frames]   zero or more, ZMQ pull streams only
                       [call_id, b"R", msgpack(Reply)] exactly one, ends the call
 Every wait is bounded: a call that sees no message for `timeout` seconds raises PeerLostError.
+Every socket refuses message parts over `max_bytes` (zmq.MAXMSGSIZE: the sender's connection drops,
+the server goes on; size it with `max_message_bytes`), and a `Guard` may secure it before it binds or
+connects (dynamo_pd's runtime.security.Security: CURVE from the cluster secret). A server bound on a
+wildcard address gives its `endpoint` with `advertise_host` in its place, the address peers reach.
 The server answers each request in its own task, so a Begin or Finish never waits behind a bulk copy;
 malformed messages are counted and dropped. A client keeps at most MAX_IDLE idle connections.
 Not dynamo_pd.runtime's request plane: kv_transfer is a library below dynamo_pd (it imports nothing
@@ -21,6 +25,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DATA, REPLY = b"D", b"R"
 MAX_IDLE = 64  # idle peer connections a client keeps; older idle ones close (peers come and go)
+CONTROL_BYTES = 4 << 20  # room for a control message: NIXL metadata in a Reply, a descriptor in a Reserve
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _encoder = msgspec.msgpack.Encoder()
@@ -40,20 +46,56 @@ _encoder = msgspec.msgpack.Encoder()
 Handler = Callable[[Request, list[zmq.Frame], Callable[[Sequence], Awaitable[None]]], Awaitable[Reply]]
 
 
+class Guard(Protocol):
+    """Sets a socket's inbound size limit and its security, before it binds (server) or connects (client)."""
+
+    def server(self, sock: zmq.Socket, max_bytes: int) -> None: ...
+
+    def client(self, sock: zmq.Socket, max_bytes: int) -> None: ...
+
+
+class Plain:
+    """No security: the size limit only."""
+
+    def server(self, sock: zmq.Socket, max_bytes: int) -> None:
+        sock.maxmsgsize = max_bytes
+
+    client = server
+
+
+def max_message_bytes(num_blocks: int, frame_bytes: int) -> int:
+    """The largest message part a side channel carries: a bulk frame (block_frames cuts them at
+    frame_bytes) or a control message, whose block id lists grow with the cache (<= 9 bytes an id)."""
+    return max(frame_bytes, CONTROL_BYTES + 2 * 9 * num_blocks)
+
+
+def _advertised(endpoint: str, host: str) -> str:
+    if not host or not endpoint.startswith("tcp://"):
+        return endpoint
+    return f"tcp://{f'[{host}]' if ':' in host else host}:{endpoint.rpartition(':')[2]}"
+
+
 def _context() -> zmq.asyncio.Context:
     # One context per process so inproc:// endpoints of agents in one process reach each other.
     return zmq.asyncio.Context.instance()
 
 
 class SideChannelServer:
-    def __init__(self, endpoint: str, handler: Handler):
+    def __init__(self, endpoint: str, handler: Handler, *, max_bytes: int = CONTROL_BYTES, guard: Guard = Plain(),
+                 advertise_host: str = ""):
         self._socket = _context().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # raise instead of dropping replies
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.bind(endpoint.replace("127.0.0.1:0", "127.0.0.1:*"))
-        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        guard.server(self._socket, max_bytes)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._socket.close(linger=0)
+            raise OSError(f"KV side channel cannot bind {endpoint!r}: {e}") from e
+        self._bound = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint: str = _advertised(self._bound, advertise_host)
         self._handler = handler
         self._task: asyncio.Task | None = None
         self._answers: set[asyncio.Task] = set()
@@ -101,7 +143,7 @@ class SideChannelServer:
         # close() releases the endpoint later, in ZMQ's reaper thread; unbind() releases it now, so
         # an agent started right after this one under the same inproc name can bind it.
         try:
-            self._socket.unbind(self.endpoint)
+            self._socket.unbind(self._bound)
         except zmq.ZMQError:
             pass
         self._socket.close(linger=0)
@@ -122,7 +164,8 @@ class _Connection:
 class SideChannelClient:
     """One DEALER per peer endpoint, replies routed to calls by call id."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_bytes: int = CONTROL_BYTES, guard: Guard = Plain()) -> None:
+        self._max_bytes, self._guard = max_bytes, guard
         self._connections: OrderedDict[str, _Connection] = OrderedDict()  # least recently used first
         self._calls: dict[bytes, asyncio.Queue] = {}
         self._ids = itertools.count(1)
@@ -136,6 +179,7 @@ class SideChannelClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            self._guard.client(sock, self._max_bytes)
             sock.connect(endpoint)
             conn = self._connections[endpoint] = _Connection(sock, asyncio.get_running_loop().create_task(self._read(sock)))
             idle = [e for e, c in self._connections.items() if c.calls == 0 and c is not conn]

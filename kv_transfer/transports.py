@@ -26,7 +26,7 @@ import zmq
 from kv_transfer.memory import STAGING, KVMemory
 from kv_transfer.plan import TransferPlan
 from kv_transfer.protocol import Fetch, PeerLostError, TransferDescriptor, TransferError, Write, raise_for
-from kv_transfer.side_channel import SideChannelClient
+from kv_transfer.side_channel import Guard, Plain, SideChannelClient
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class TransferConfig:
 
     transport: str = "zmq"  # "nixl" | "zmq" | "inproc"
     endpoint: str = ""  # side channel bind address; "" = tcp://127.0.0.1:0 (inproc://kv-<engine> for inproc)
+    advertise_host: str = ""  # the address peers reach the side channel at, when it binds a wildcard
+    guard: Guard = Plain()  # secures the side channel's sockets (dynamo_pd: CURVE from the cluster secret)
     metadata_store: str = ""  # NIXL metadata: "" = over the side channel, "etcd://host:port" = etcd
     lease_s: float = 30.0  # how long held blocks wait for the peer
     timeout_s: float = 10.0  # longest silence tolerated from a peer during any call or transfer
