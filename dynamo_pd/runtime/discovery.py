@@ -35,6 +35,7 @@ import msgspec
 
 from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError
+from dynamo_pd.runtime.security import Security, current
 
 log = logging.getLogger(__name__)
 
@@ -238,16 +239,19 @@ def _decode_worker(key: str, value: bytes) -> WorkerInfo | None:
 
 
 async def connect_discovery(url: str, *, namespace: str = "dynamo_pd", ttl_s: float = 3.0,
-                            keepalive_s: float = 1.0, request_timeout_s: float = 5.0) -> Discovery:
-    """`etcd://host:port` for etcd, `tcp://host:port` for an embedded DiscoveryServer."""
+                            keepalive_s: float = 1.0, request_timeout_s: float = 5.0,
+                            security: Security | None = None) -> Discovery:
+    """`etcd://host:port` for etcd, `tcp://host:port` for an embedded DiscoveryServer; `security`
+    (default: the process's) gives etcd's credentials or the embedded server's CURVE keys."""
+    security = security or current()
     if url.startswith("etcd://"):
         from dynamo_pd.runtime.discovery_etcd import EtcdStore
 
-        store: LeaseStore = await EtcdStore.connect(url, request_timeout_s=request_timeout_s)
+        store: LeaseStore = await EtcdStore.connect(url, request_timeout_s=request_timeout_s, auth=security.etcd)
     elif url.startswith("tcp://"):
         from dynamo_pd.runtime.discovery_embedded import EmbeddedStore
 
-        store = EmbeddedStore(url, request_timeout_s=request_timeout_s, ping_s=keepalive_s)
+        store = EmbeddedStore(url, request_timeout_s=request_timeout_s, ping_s=keepalive_s, security=security)
     else:
         raise ValueError(f"discovery url must start with etcd:// or tcp://, got {url!r}")
     return Discovery(store, namespace=namespace, ttl_s=ttl_s, keepalive_s=keepalive_s)

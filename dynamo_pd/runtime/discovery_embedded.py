@@ -22,6 +22,7 @@ import zmq.asyncio
 from dynamo_pd.runtime import discovery_server as wire
 from dynamo_pd.runtime.discovery import Change, Snapshot
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError
+from dynamo_pd.runtime.security import DISCOVERY_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,14 @@ _SENDS = 4  # how many times a request is sent within its timeout
 
 
 class EmbeddedStore:
-    def __init__(self, url: str, *, request_timeout_s: float = 5.0, ping_s: float = 1.0):
+    def __init__(self, url: str, *, request_timeout_s: float = 5.0, ping_s: float = 1.0,
+                 security: Security | None = None):
         self.url = url
         self._request_timeout_s = request_timeout_s
         self._ping_s = ping_s
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.linger = 0
+        (security or current()).client(self._sock, DISCOVERY_MAX_BYTES)
         try:
             self._sock.connect(url)
         except zmq.ZMQError as exc:

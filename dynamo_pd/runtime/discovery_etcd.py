@@ -3,6 +3,10 @@
 etcd leases have whole-second TTLs (rounded up here; etcd's own minimum is about 2 s) and etcd
 checks expiry about twice a second, so a dead worker's keys go within TTL + ~0.5 s. A watch reads
 the prefix, then watches from the revision after that read, so no change falls in between.
+
+Credentials (security.EtcdAuth): user + password go to aetcd, which authenticates on connect and
+sends the token with every call; TLS (a CA, a client certificate) needs a secure gRPC channel,
+which aetcd 1.0 cannot open, so `_TlsClient` opens one in its place.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from urllib.parse import urlsplit
 import aetcd
 import aetcd.exceptions
 import aetcd.utils
+import grpc
 
 from dynamo_pd.runtime.discovery import Change, Snapshot
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError
+from dynamo_pd.runtime.security import EtcdAuth, Tls
 
 T = TypeVar("T")
 
@@ -30,11 +36,15 @@ class EtcdStore:
         self._timeout_s = request_timeout_s
 
     @classmethod
-    async def connect(cls, url: str, *, request_timeout_s: float = 5.0) -> EtcdStore:
+    async def connect(cls, url: str, *, request_timeout_s: float = 5.0, auth: EtcdAuth = EtcdAuth()) -> EtcdStore:
         parts = urlsplit(url)
         if parts.scheme != "etcd" or not parts.hostname:
             raise ValueError(f"etcd url must look like etcd://host:port, got {url!r}")
-        client = aetcd.Client(host=parts.hostname, port=parts.port or 2379)
+        if bool(auth.user) != bool(auth.password):
+            raise ValueError("etcd credentials need both a user and a password")
+        kwargs = dict(host=parts.hostname, port=parts.port or 2379, username=auth.user or None,
+                      password=auth.password or None)
+        client = _TlsClient(auth.tls, **kwargs) if auth.tls.enabled else aetcd.Client(**kwargs)
         store = cls(client, url, request_timeout_s)
         await store._call(client.connect(), "connect")
         await store._call(client.status(), "status")  # fail now, not on first use, if nobody answers
@@ -46,7 +56,7 @@ class EtcdStore:
         except asyncio.TimeoutError:
             raise DiscoveryUnavailableError(
                 f"etcd {self.url} did not answer {what} within {self._timeout_s}s") from None
-        except aetcd.exceptions.ClientError as exc:
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:  # the latter: _TlsClient.connect
             raise DiscoveryUnavailableError(f"etcd {self.url} {what} failed: {exc!r}") from exc
 
     async def grant(self, ttl_s: float) -> int:
@@ -98,3 +108,31 @@ class EtcdStore:
             await asyncio.wait_for(self._client.close(), self._timeout_s)
         except (asyncio.TimeoutError, aetcd.exceptions.ClientError):
             pass
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client on a TLS channel: aetcd.Client.connect with `secure_channel` for `insecure_channel`."""
+
+    def __init__(self, tls: Tls, **kwargs):
+        super().__init__(**kwargs)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        tls = self._tls
+        read = lambda path: open(path, "rb").read() if path else None  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(tls.ca), read(tls.key), read(tls.cert))
+        self.channel = aetcd.rpc.secure_channel(f"{self._host}:{self._port}", credentials,
+                                                options=self._options.items())
+        if self._username:
+            response = await aetcd.rpc.AuthStub(self.channel).Authenticate(
+                aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+            self.metadata = (("token", response.token),)
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
+                                              metadata=self.metadata)
+        self._connected.set()

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from dynamo_pd.runtime.security import DISCOVERY_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.runtime.zmq_send import send_now
 
@@ -109,8 +110,10 @@ class _Lease:
 
 
 class DiscoveryServer:
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", expiry_check_s: float = 0.1):
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", expiry_check_s: float = 0.1, *,
+                 security: Security | None = None):
         self._endpoint = endpoint
+        self._security = security or current()
         self._expiry_check_s = expiry_check_s
         self._kv: dict[str, tuple[bytes, int]] = {}  # key -> (value, lease id)
         self._leases: dict[int, _Lease] = {}
@@ -128,6 +131,7 @@ class DiscoveryServer:
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.linger = 0
         sock.sndhwm = sock.rcvhwm = 100_000
+        self._security.server(sock, DISCOVERY_MAX_BYTES)
         try:
             sock.bind(self._endpoint)
         except zmq.ZMQError as exc:

@@ -23,6 +23,7 @@ import re
 from collections.abc import Awaitable, Callable
 
 from dynamo_pd.runtime.discovery import Discovery
+from dynamo_pd.runtime.security import Security, current
 
 _SUBJECT = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 _CLOSED = object()
@@ -104,17 +105,20 @@ class EventPlane(abc.ABC):
 
 
 async def connect_event_plane(url: str | None = None, discovery: Discovery | None = None, *,
-                              host: str = "127.0.0.1", connect_timeout_s: float = 5.0) -> EventPlane:
-    """None or "zmq": ZMQ publishers (bound on `host`) found through `discovery`; "nats://host:port": NATS."""
+                              host: str = "127.0.0.1", advertise_host: str = "", connect_timeout_s: float = 5.0,
+                              security: Security | None = None) -> EventPlane:
+    """None or "zmq": ZMQ publishers (bound on `host`, advertised as `advertise_host`) found through
+    `discovery`; "nats://host:port": NATS. `security` (default: the process's): CURVE keys or NATS credentials."""
+    security = security or current()
     if url is None or url == "zmq":
         if discovery is None:
             raise ValueError("the ZMQ event plane finds publishers through discovery: pass `discovery`")
         from dynamo_pd.runtime.events_zmq import ZmqEventPlane
 
-        return await ZmqEventPlane.start(discovery, host)
-    if url.startswith("nats://"):
+        return await ZmqEventPlane.start(discovery, host, advertise_host, security)
+    if url.startswith("nats://") or url.startswith("tls://"):
         from dynamo_pd.runtime.events_nats import NatsEventPlane
 
-        return await NatsEventPlane.connect(url, connect_timeout_s=connect_timeout_s)
-    raise ValueError(f"event plane url must be None, 'zmq' or nats://host:port, got {url!r}")
+        return await NatsEventPlane.connect(url, connect_timeout_s=connect_timeout_s, auth=security.nats)
+    raise ValueError(f"event plane url must be None, 'zmq', nats://host:port or tls://host:port, got {url!r}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -19,6 +20,9 @@ import nats.errors
 
 from dynamo_pd.runtime.errors import EventPlaneError
 from dynamo_pd.runtime.events import EventPlane, Subscription, check_subject
+from dynamo_pd.runtime.security import NatsAuth
+
+log = logging.getLogger(__name__)
 
 
 async def subscribe_live(nc: nats.NATS, subjects: list[str], cb: Callable[..., Awaitable[None]],
@@ -55,13 +59,22 @@ class NatsEventPlane(EventPlane):
         self._subscriptions: set[Subscription] = set()
 
     @classmethod
-    async def connect(cls, url: str, *, connect_timeout_s: float = 5.0) -> NatsEventPlane:
+    async def connect(cls, url: str, *, connect_timeout_s: float = 5.0, auth: NatsAuth = NatsAuth()) -> NatsEventPlane:
+        failed: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:  # nats-py retries a refused login: keep the cause to report
+            failed[:] = [exc]
+            log.warning("NATS %s: %r", url, exc)
+
         try:
             client = await asyncio.wait_for(
-                nats.connect(url, connect_timeout=connect_timeout_s, allow_reconnect=True,
-                             max_reconnect_attempts=-1, reconnect_time_wait=0.5),
+                nats.connect(url, connect_timeout=connect_timeout_s, allow_reconnect=True, error_cb=on_error,
+                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, **auth.connect_kwargs()),
                 connect_timeout_s * 2)
-        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        except asyncio.TimeoutError as exc:
+            cause = f": {failed[-1]!r}" if failed else ""
+            raise EventPlaneError(f"cannot connect to NATS at {url} within {connect_timeout_s * 2}s{cause}") from exc
+        except (OSError, nats.errors.Error) as exc:
             raise EventPlaneError(f"cannot connect to NATS at {url}: {exc!r}") from exc
         return cls(client, url, connect_timeout_s)
 

@@ -1,6 +1,7 @@
 """ZMQ event plane: every process publishes on its own PUB socket, advertised in discovery.
 
-A plane binds one PUB socket (127.0.0.1, random port) and advertises its endpoint under
+A plane binds one PUB socket (`host`, 127.0.0.1 by default, random port) and advertises its endpoint
+(with `advertise_host` for a wildcard or another reachable address) under
 `events/<id>` with a lease, so a dead publisher leaves discovery like a dead worker. A
 subscription is one SUB socket that follows `events/`: it connects to every publisher there,
 late joiners included, and disconnects from those that leave. No broker to host or lose.
@@ -21,6 +22,8 @@ import zmq.asyncio
 from dynamo_pd.runtime.discovery import Discovery
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError, EventPlaneError
 from dynamo_pd.runtime.events import EventPlane, Subscription, check_subject
+from dynamo_pd.runtime.ports import advertised
+from dynamo_pd.runtime.security import CONTROL_MAX_BYTES, EVENTS_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -29,20 +32,28 @@ PUBLISHERS_PREFIX = "events/"
 
 
 class ZmqEventPlane(EventPlane):
-    def __init__(self, discovery: Discovery, pub: zmq.asyncio.Socket):
+    def __init__(self, discovery: Discovery, pub: zmq.asyncio.Socket, advertise_host: str, security: Security):
         self._discovery = discovery
         self._pub = pub
-        self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._security = security
+        self.endpoint = advertised(pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self._registration = None
         self._subscriptions: set[Subscription] = set()
 
     @classmethod
-    async def start(cls, discovery: Discovery, host: str = "127.0.0.1") -> ZmqEventPlane:
+    async def start(cls, discovery: Discovery, host: str = "127.0.0.1", advertise_host: str = "",
+                    security: Security | None = None) -> ZmqEventPlane:
+        security = security or current()
         pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
         pub.linger = 0
         pub.sndhwm = 100_000
-        pub.bind(f"tcp://{host}:0")
-        plane = cls(discovery, pub)
+        security.server(pub, CONTROL_MAX_BYTES)  # a PUB receives only subscriptions
+        try:
+            pub.bind(f"tcp://{host}:0")
+        except zmq.ZMQError as exc:
+            pub.close()
+            raise OSError(f"event plane cannot bind tcp://{host}:0: {exc}") from exc
+        plane = cls(discovery, pub, advertise_host, security)
         try:
             plane._registration = await discovery.advertise(
                 PUBLISHERS_PREFIX + uuid.uuid4().hex, plane.endpoint.encode())
@@ -60,6 +71,7 @@ class ZmqEventPlane(EventPlane):
         sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         sock.linger = 0
         sock.rcvhwm = 100_000
+        self._security.client(sock, EVENTS_MAX_BYTES)
         sock.subscribe(subject_prefix.encode())
         tasks: list[asyncio.Task] = []
 

@@ -13,8 +13,11 @@ and ours are read alike:
   vLLM binds its PUB endpoint only for ipc://, inproc:// and tcp://* (it connects to the rest); ours binds.
 Event plane (NATS): one message per batch on the worker's subject, seq (8 bytes) + payload, riding the
 process's one event-plane connection; no replay.
+With a cluster secret (runtime.security) the tcp:// sockets speak CURVE; ipc:// ones (a vLLM engine's
+own publisher, which speaks no CURVE) stay plaintext: a socket file of one host, guarded by its permissions.
 
     pub = ZmqBatchPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"); ...; await pub.close()
+    pub = ZmqBatchPublisher("tcp://0.0.0.0:0", "tcp://0.0.0.0:0", advertise_host="10.0.0.2")  # every interface
     pub = PlaneBatchPublisher(events, subject)    # nothing to close: the event plane is the process's
     await pub.publish(payload)
     source = ZmqBatchSource(endpoint, replay_endpoint)            # or await PlaneBatchSource.subscribe(...)
@@ -33,6 +36,8 @@ import zmq
 import zmq.asyncio
 
 from dynamo_pd.runtime.events import EventPlane, Subscription
+from dynamo_pd.runtime.ports import advertised
+from dynamo_pd.runtime.security import CONTROL_MAX_BYTES, KV_EVENTS_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.runtime.zmq_send import send_now
 
@@ -42,28 +47,36 @@ Batch = tuple[int, bytes]
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def _for(endpoint: str, security: Security | None) -> Security:
+    return Security() if endpoint.startswith("ipc://") else security or current()
+
+
 def _seq(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
 class ZmqBatchPublisher:
     def __init__(self, endpoint: str = "tcp://127.0.0.1:0", replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000, *, advertise_host: str = "",
+                 security: Security | None = None) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be positive, got {buffer_steps}")
+        security = _for(endpoint, security)
         ctx = zmq.asyncio.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.linger, self._pub.sndhwm = 0, hwm
+        security.server(self._pub, CONTROL_MAX_BYTES)  # it receives only subscriptions
         self._pub.bind(endpoint)
-        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint: str = advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self.replay_endpoint: str | None = None
         self._tasks: list[asyncio.Task] = []
         if replay_endpoint is not None:
             self._replay = ctx.socket(zmq.ROUTER)
             self._replay.linger = 0
             self._replay.sndhwm = buffer_steps + 1  # a whole replay fits: never dropped
+            security.server(self._replay, CONTROL_MAX_BYTES)  # it receives only replay requests
             self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = advertised(self._replay.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="kv-events-replay"))
         self._buffer: collections.deque[Batch] = collections.deque(maxlen=buffer_steps)
         self._seqs = itertools.count()
@@ -100,12 +113,14 @@ class ZmqBatchPublisher:
 
 class ZmqBatchSource:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, *, security: Security | None = None) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.replay = self._replay if replay_endpoint is not None else None
         self._replay_timeout_s = replay_timeout_s
+        self._security = _for(endpoint, security)
         self._sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._sub.linger = 0
+        self._security.client(self._sub, KV_EVENTS_MAX_BYTES)
         self._sub.subscribe(b"")
         self._sub.connect(endpoint)
 
@@ -121,6 +136,7 @@ class ZmqBatchSource:
     async def _replay(self, start_seq: int) -> list[Batch] | None:
         dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         dealer.linger = 0
+        self._security.client(dealer, KV_EVENTS_MAX_BYTES)
         dealer.connect(self.replay_endpoint)
         batches: list[Batch] = []
         try:

@@ -36,6 +36,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
+from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,
@@ -47,6 +48,8 @@ from dynamo_pd.runtime.errors import (
 
 log = logging.getLogger(__name__)
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _END = object()
 _CANCELLED = object()
 
@@ -54,7 +57,7 @@ _CANCELLED = object()
 class _Connection:
     """One DEALER to one worker; owns the queues of the streams open on it."""
 
-    def __init__(self, endpoint: str, heartbeat_timeout_s: float, ping_s: float):
+    def __init__(self, endpoint: str, heartbeat_timeout_s: float, ping_s: float, security: Security):
         self.endpoint = endpoint
         self._ping_s = ping_s
         ctx = zmq.asyncio.Context.instance()
@@ -64,8 +67,9 @@ class _Connection:
         self._sock.sndhwm = self._sock.rcvhwm = 100_000
         self._sock.heartbeat_ivl = max(100, int(heartbeat_timeout_s * 1000 / 3))
         self._sock.heartbeat_timeout = int(heartbeat_timeout_s * 1000)
+        security.client(self._sock, RPC_MAX_BYTES)
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_FAILED)
         self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
         self.released = False  # the worker left discovery: close once the last stream ends
@@ -134,6 +138,10 @@ class _Connection:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.settled.set()
+            elif event & _HANDSHAKE_FAILED:
+                self.fail(WorkerGoneError(f"worker {self.endpoint} refused the handshake "
+                                          f"(not the same cluster secret?)"))
+                return
             elif event == zmq.EVENT_DISCONNECTED:
                 self.fail(WorkerGoneError(f"connection to worker {self.endpoint} dropped"))
                 return
@@ -174,12 +182,13 @@ class _Connection:
 class RpcClient:
     def __init__(self, *, connect_timeout_s: float = 5.0, first_response_timeout_s: float = 60.0,
                  inter_response_timeout_s: float | None = None, heartbeat_timeout_s: float = 3.0,
-                 ping_s: float = 1.0):
+                 ping_s: float = 1.0, security: Security | None = None):
         self.connect_timeout_s = connect_timeout_s
         self.first_response_timeout_s = first_response_timeout_s
         self.inter_response_timeout_s = inter_response_timeout_s
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._ping_s = ping_s
+        self._security = security or current()
         self._connections: dict[str, _Connection] = {}
 
     @property
@@ -200,7 +209,7 @@ class RpcClient:
     async def _connection(self, endpoint: str) -> _Connection:
         conn = self._connections.get(endpoint)
         if conn is None or conn.gone is not None:
-            conn = _Connection(endpoint, self._heartbeat_timeout_s, self._ping_s)
+            conn = _Connection(endpoint, self._heartbeat_timeout_s, self._ping_s, self._security)
             self._connections[endpoint] = conn
         conn.released = False  # the worker is back before its streams ended: keep the connection
         if not conn.settled.is_set():

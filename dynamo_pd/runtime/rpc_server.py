@@ -6,6 +6,7 @@
 
     server = RpcServer(handler)             # binds tcp://127.0.0.1:<random>
     await server.start(); server.endpoint   # advertise it in WorkerInfo.rpc_endpoint
+    RpcServer(handler, "tcp://0.0.0.0:0", advertise_host="10.0.0.2")   # every interface; endpoint names 10.0.0.2
     ...; await server.close()               # cancels every open stream
 
 Each stream runs the handler in its own task with a fresh RequestContext. A client's Cancel, a
@@ -33,6 +34,8 @@ import zmq.asyncio
 from dynamo_pd.protocol import InvalidRequestError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
+from dynamo_pd.runtime.ports import advertised
+from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -41,9 +44,12 @@ Handler = Callable[[bytes, RequestContext], AsyncIterator[bytes]]
 
 
 class RpcServer:
-    def __init__(self, handler: Handler, endpoint: str = "tcp://127.0.0.1:0", client_timeout_s: float = 10.0):
+    def __init__(self, handler: Handler, endpoint: str = "tcp://127.0.0.1:0", client_timeout_s: float = 10.0, *,
+                 advertise_host: str = "", security: Security | None = None):
         self._handler = handler
         self._bind_endpoint = endpoint
+        self._advertise_host = advertise_host
+        self._security = security or current()
         self._client_timeout_s = client_timeout_s
         self._sock: zmq.asyncio.Socket | None = None
         self._streams: dict[tuple[bytes, int], tuple[asyncio.Task, RequestContext]] = {}
@@ -63,13 +69,14 @@ class RpcServer:
         sock.router_mandatory = 1  # a send to a gone client raises instead of vanishing
         sock.sndhwm = sock.rcvhwm = 100_000
         sock.heartbeat_ivl, sock.heartbeat_timeout = 1000, 5000  # drop half-open connections
+        self._security.server(sock, RPC_MAX_BYTES)
         try:
             sock.bind(self._bind_endpoint)
         except zmq.ZMQError as exc:
             sock.close()
             raise OSError(f"rpc server cannot bind {self._bind_endpoint!r}: {exc}") from exc
         self._sock = sock
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = advertised(sock.getsockopt_string(zmq.LAST_ENDPOINT), self._advertise_host)
         self._tasks = [asyncio.create_task(self._serve(), name="rpc-serve"),
                        asyncio.create_task(self._reap(), name="rpc-reap")]
         return self.endpoint
