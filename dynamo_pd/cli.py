@@ -12,6 +12,7 @@ import re
 import sys
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, engine_names
+from dynamo_pd.handoff import HandoffTimes
 from router.service import POLICIES, RouterConfig
 
 
@@ -69,7 +70,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        handoff_lease_s=args.handoff_lease_s,
+        handoff=HandoffTimes(lease_s=args.handoff_lease_s),
         extra=parse_passthrough(passthrough),
     )
 

@@ -25,13 +25,26 @@ KV transfer timeout) and `together_timeouts` (the frontend's first-response boun
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from kv_transfer.protocol import TransferDescriptor
+from kv_transfer.agent import KVTransferAgent
+from kv_transfer.memory import KVMemory
+from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
 from kv_transfer.transports import TransferConfig
+
+if TYPE_CHECKING:  # protocol.py carries these kinds in its structs
+    from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
+
+log = logging.getLogger("dynamo_pd.handoff")
+_encoder = msgspec.msgpack.Encoder()
 
 
 class HeldKV(msgspec.Struct, tag="held", kw_only=True):
@@ -146,3 +159,139 @@ def together_timeouts(first_response_s: float) -> tuple[float, float]:
     """Frontend, an offered hand-off: (how long the decode side waits for the prefill's KV, how long the
     frontend waits for the decode stream's first output) from its own first-response bound."""
     return first_response_s, 2 * first_response_s
+
+
+class HandoffManager:
+    """One per worker: its side of every hand-off, and the only user of its KV transfer agent.
+
+    PREFILL: an engine output's HeldKV becomes a PullHandoff (the agent holds the blocks; the stream stays
+    open until the decode side has read them, so a caller that goes away frees them at once), or, when the
+    request came with a PushHandoff, a push into the blocks the decode side reserved. DECODE: `load_kv` is
+    the engine's kv_loader. Engines that move KV themselves get no agent; their hand-offs are stamped with
+    the worker id and passed on."""
+
+    def __init__(self, worker_id: str, times: HandoffTimes, transport: str = "zmq", offer_push: bool = False):
+        self.worker_id, self.times, self._transport, self._offer_push = worker_id, times, transport, offer_push
+        self.agent: KVTransferAgent | None = None
+        self._engine: Any = None
+        self._moved: dict[str, TransferStats] = {}  # DECODE: request id -> what its load moved
+
+    async def start(self, engine: Any, model_name: str) -> None:
+        """After the engine started: an agent over its KV cache when the engine's KV is ours to move."""
+        self._engine = engine
+        if engine.kv_handoffs:
+            memory = KVMemory.native(engine.kv_cache, model_name)
+            self.agent = KVTransferAgent(self.worker_id, memory, self.times.transfer_config(self._transport))
+            await self.agent.start()
+
+    async def close(self) -> None:
+        if self.agent is not None:
+            await self.agent.close()
+
+    def register(self, info: WorkerInfo) -> WorkerInfo:
+        """What decode workers and the frontend need: the KV layout, the agent's endpoint, the offer."""
+        if self.agent is None:
+            return msgspec.structs.replace(info, handoff_offer=self._engine.handoff_offer())
+        push = PushHandoff(worker_id=self.worker_id, peer_endpoint=self.agent.endpoint) if self._offer_push else None
+        return msgspec.structs.replace(info, kv_layout=_encoder.encode(self.agent.memory.layout),
+                                       kv_endpoint=self.agent.endpoint, handoff_offer=push)
+
+    async def serve(self, request: EngineRequest, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs for `request`, with its hand-off done; returns once it has ended."""
+        rid = request.request_id
+        released: asyncio.Event | None = None
+        pushing: asyncio.Task | None = None
+        try:
+            async for out in outputs:
+                handoff = out.handoff
+                if isinstance(handoff, HeldKV) and isinstance(request.handoff, PushHandoff):
+                    out.handoff = request.handoff
+                    pushing = asyncio.create_task(self._push(handoff, out.token_ids[0]))  # while the token streams
+                elif isinstance(handoff, HeldKV):
+                    released, out.handoff = self._hold(handoff)
+                elif isinstance(handoff, EngineHandoff):
+                    handoff.worker_id = self.worker_id
+                out.transfer = self._moved.pop(rid, None)
+                yield out
+            if released is not None:
+                await asyncio.wait_for(released.wait(), self.times.engine_lease_s)
+            if pushing is not None:
+                await pushing  # bounded: the rendezvous by the lease, the push by the transfer timeout
+        finally:
+            self._moved.pop(rid, None)
+            if released is not None and not released.is_set():
+                self.agent.release(rid)
+            if pushing is not None and not pushing.done():
+                pushing.cancel()
+                await asyncio.gather(pushing, return_exceptions=True)
+
+    def _hold(self, held: HeldKV) -> tuple[asyncio.Event, PullHandoff]:
+        engine, loop = self._engine, asyncio.get_running_loop()
+        released = asyncio.Event()
+
+        def on_release(request_id: str, reason: ReleaseReason, _payload: bytes) -> None:
+            if reason is not ReleaseReason.DONE:
+                log.info("hand-off of %s ended: %s", request_id, reason.value)
+
+            def free() -> None:
+                released.set()
+                asyncio.ensure_future(engine.release_handoff(request_id))
+
+            loop.call_soon_threadsafe(free)
+
+        desc = self.agent.hold(held.request_id, held.block_ids, held.num_tokens, on_release)
+        return released, PullHandoff(descriptor=desc, worker_id=self.worker_id)
+
+    async def _push(self, held: HeldKV, first_token_id: int) -> None:
+        """PREFILL, push: write the prompt's KV and the first token into the blocks the decode side
+        reserved for this request id; the engine's blocks are freed whatever happens."""
+        rid = held.request_id
+        try:
+            target = await self.agent.wait_push_target(rid, self.times.lease_s)
+            # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
+            await self.agent.push(target, held.block_ids, payload=_encoder.encode((first_token_id, time.time())))
+        except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
+            log.warning("push of %s failed: %s", rid, exc)
+        finally:
+            await asyncio.shield(self._engine.release_handoff(rid))
+
+    async def load_kv(self, handoff: Handoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
+        """DECODE: the engine's kv_loader. Fills `local_block_ids` past the `cached_blocks` it has; returns
+        the first token when it came with the KV (push), else None."""
+        if isinstance(handoff, PushHandoff):
+            return await self._receive_push(handoff, local_block_ids, cached_blocks)
+        if not isinstance(handoff, PullHandoff):
+            raise TypeError(f"a {type(handoff).__name__} is not loaded through the KV transfer agent")
+        start = time.perf_counter()
+        moved = await self.agent.pull(handoff.descriptor, local_block_ids[cached_blocks:],
+                                      skip_prefix_blocks=cached_blocks)
+        self._moved[handoff.request_id] = TransferStats(moved, time.perf_counter() - start)
+        return None
+
+    async def _receive_push(self, handoff: PushHandoff, local_block_ids: list[int], cached_blocks: int) -> int:
+        """DECODE, push: reserve the blocks this worker lacks, tell the prefill worker where they are,
+        and wait until it has filled them; returns the first token it sent along."""
+        rid, loop = handoff.request_id, asyncio.get_running_loop()
+        ended: asyncio.Future = loop.create_future()
+
+        def on_release(request_id: str, reason: ReleaseReason, payload: bytes) -> None:
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((reason, payload)))
+
+        blocks = local_block_ids[cached_blocks:]
+        target = self.agent.hold(rid, blocks, handoff.num_tokens, on_release, block_offset=cached_blocks,
+                                 writable=True, lease_s=self.times.reserve_lease_s(handoff))
+        try:
+            await self.agent.reserve(handoff.peer_endpoint, target)
+            reason, payload = await ended
+        finally:
+            # A push in flight keeps writing these blocks until its Finish: wait for it before the
+            # engine may free them.
+            if self.agent.release(rid) and not ended.done():
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(ended), self.times.drain_s)
+        if reason is not ReleaseReason.DONE:
+            raise TransferError(f"push of {rid!r} from {handoff.worker_id} ended: {reason.value}")
+        first_token_id, started = msgspec.msgpack.decode(payload)
+        self._moved[rid] = TransferStats(len(blocks) * self.agent.memory.layout.block_bytes,
+                                         max(0.0, time.time() - started))
+        return first_token_id

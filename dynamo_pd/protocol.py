@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
+
+from dynamo_pd.handoff import Handoff, HandoffOffer, TransferStats
+from router.worker import LoadMetrics, Role
+
+__all__ = ["LoadMetrics", "Role"]  # defined in router/, shared by every process through here
 
 FinishReason = Literal["stop", "length", "abort", "error", "prefill_done"]
 
@@ -79,37 +84,13 @@ class StopConditions(msgspec.Struct, kw_only=True):
                                       "stop_token_ids")
 
 
-HandoffMode = Literal["pull", "push"]
-
-
-class KVHandoff(msgspec.Struct, kw_only=True):
-    """How a prompt's KV reaches the decode worker.
-
-    pull (native, vLLM, TensorRT-LLM style): the prefill's first output carries it; the blocks are held
-    at the prefill worker and `descriptor` says where; the decode worker reads them.
-    push (SGLang style): the router sends it to the decode worker at the same time as the prefill
-    request, with the same request id (the "room") and no blocks; the decode worker reserves blocks,
-    tells the prefill worker's KV agent at `peer_endpoint`, and the prefill writes into them."""
-
-    request_id: str  # the prefill-side request holding the blocks
-    block_ids: list[int]  # prefill-side blocks, in prompt order (pull)
-    num_tokens: int  # prompt tokens whose KV the blocks hold
-    block_size: int
-    worker_id: str = ""  # the prefill worker
-    descriptor: bytes | None = None  # pull: encoded kv_transfer descriptor, set by the prefill worker
-    mode: HandoffMode = "pull"
-    peer_endpoint: str = ""  # push: the prefill worker's KV agent (its side channel)
-    wait_s: float = 0.0  # push: how long the prefill may take before it writes (the router's bound on it)
-    engine_params: dict[str, Any] | None = None  # engine-native hand-off (vLLM kv_transfer_params, ...)
-
-
 class EngineRequest(msgspec.Struct, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     cache_salt: str | None = None  # isolates prefix caching (LoRA name, tenant)
-    handoff: KVHandoff | None = None  # decode role: KV computed elsewhere
+    handoff: Handoff | None = None  # decode role: KV computed elsewhere; prefill: an offered hand-off
     first_token_id: int | None = None  # decode role, pull hand-off: the token the prefill sampled
 
     def validate(self) -> None:
@@ -141,17 +122,16 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     usage: Usage | None = None
-    handoff: KVHandoff | None = None  # prefill role: where the prompt's KV is held
+    handoff: Handoff | None = None  # prefill role: how the prompt's KV reaches the decode side
     error: str | None = None
-    kv_transfer_bytes: int = 0  # decode role, first output: KV bytes pulled for this request
-    kv_transfer_s: float = 0.0  # ... and how long the pull took
+    transfer: TransferStats | None = None  # decode role, first output: the KV moved for this request
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
     """What a worker registers in discovery (under a lease)."""
 
     worker_id: str
-    role: Literal["aggregated", "prefill", "decode"]
+    role: Role
     engine: str
     model: str
     rpc_endpoint: str  # request plane
@@ -159,28 +139,12 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     kv_events_replay_endpoint: str = ""  # where a router catches up on missed event batches
     kv_events_subject: str = ""  # NATS subject of KV events ("" when events go over ZMQ)
     kv_layout: bytes | None = None  # encoded kv_transfer layout, for compatibility checks
-    kv_handoff: HandoffMode = "pull"  # prefill: how its KV reaches decode workers
     kv_endpoint: str = ""  # the worker's KV agent side channel ("" for engines without one)
+    handoff_offer: HandoffOffer | None = None  # prefill: sent to prefill and decode at once; None: pull-like
     block_size: int = 16
     num_kv_blocks: int = 0
     max_num_seqs: int = 0
     max_model_len: int = 0
-
-
-class LoadMetrics(msgspec.Struct, kw_only=True):
-    """What a worker publishes periodically so routers can correct their predicted load."""
-
-    worker_id: str
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    active_prefill_tokens: int = 0
-    # the worker's measured step costs (router.load.StepCosts); None: not measured yet, or not an engine that does
-    prefill_s_per_token: float | None = None
-    decode_s: float | None = None
-    decode_s_per_block: float | None = None
-    output_tokens: float | None = None
 
 
 class OverloadedError(RuntimeError):

@@ -4,14 +4,9 @@ publishing KV events and load, registered in discovery under a lease.
     python -m dynamo_pd.prefill --engine native --discovery tcp://127.0.0.1:7000
     python -m dynamo_pd.decode  --engine native --discovery etcd://127.0.0.1:2379 --events nats://127.0.0.1:4222
 
-PREFILL, --kv-handoff pull (default): each finished prefill's blocks are held by the KV transfer
-agent, which frees them in the engine when the decode side has read them, reported failure, or the
-lease ran out. --kv-handoff push (SGLang style): the prefill waits for the decode side to reserve
-blocks under the request id, writes its KV into them with the first token, then frees its blocks.
-DECODE: the engine's kv_loader pulls the blocks it lacks through the same agent, or reserves them
-and waits for the push, as the request's hand-off says.
-Engines that move KV themselves (vLLM's NixlConnector) hand back `KVHandoff.engine_params` and
-need no agent here.
+The hand-off (pull, or push with --kv-handoff push; an engine's own) is dynamo_pd.handoff's
+HandoffManager: this module only wires the engine, the manager, the event publisher, load and the
+registration together.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import tempfile
@@ -33,8 +27,9 @@ import msgspec
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, load_engine_class
+from dynamo_pd.handoff import HandoffManager
 from dynamo_pd.model_store import DEFAULT_MODEL
-from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, WorkerInfo
+from dynamo_pd.protocol import EngineRequest, LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import (
     DiscoveryUnavailableError,
     EventPlaneError,
@@ -45,10 +40,6 @@ from dynamo_pd.runtime import (
 )
 from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
 from dynamo_pd.runtime.tasks import cancel_and_wait
-from kv_transfer.agent import KVTransferAgent
-from kv_transfer.memory import KVMemory
-from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
-from kv_transfer.transports import TransferConfig
 from router.events import encode_batch
 
 log = logging.getLogger("dynamo_pd.worker")
@@ -78,14 +69,10 @@ class Worker:
         role = config.engine_config.role.value
         self.worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.engine: Engine | None = None
-        self.agent: KVTransferAgent | None = None
+        self.handoff = HandoffManager(self.worker_id, config.engine_config.handoff, config.kv_transport,
+                                      offer_push=config.kv_handoff == "push")
         self._tasks: list[asyncio.Task] = []
         self._closers: list = []
-        self._pulled: dict[str, tuple[int, float]] = {}  # request id -> (KV bytes, seconds) of its pull
-        self._lease_s = config.engine_config.handoff_lease_s
-        self._transfer = TransferConfig(config.kv_transport, lease_s=self._lease_s)
-        # A hold ends by its lease, or later by one transfer the agent pinned it for (both sides' timeouts).
-        self._hold_limit_s = self._lease_s + 2 * self._transfer.timeout_s
 
     @property
     def role(self) -> EngineRole:
@@ -102,27 +89,19 @@ class Worker:
             socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
             cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
             cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"ipc://{socket_path}.replay")
-        loader = self._load_kv if self.role is EngineRole.DECODE and engine_class.kv_handoffs else None
-        # The agent frees hand-off blocks in the engine; the engine's own lease is only the backstop for
-        # a release that never comes, so it must outlast every transfer the agent still allows.
-        engine_config = dataclasses.replace(cfg.engine_config, handoff_lease_s=self._hold_limit_s + 5)
-        self.engine = engine = engine_class(engine_config, **({"kv_loader": loader} if loader else {}))
+        loads = self.role is EngineRole.DECODE and engine_class.kv_handoffs
+        self.engine = engine = engine_class(cfg.engine_config, **({"kv_loader": self.handoff.load_kv} if loads else {}))
         await engine.start()
         self._closers.append(engine.stop)
         model_name = cfg.engine_config.model or DEFAULT_MODEL
-        if engine_class.kv_handoffs:
-            self.agent = KVTransferAgent(self.worker_id, KVMemory.native(engine.kv_cache, model_name), self._transfer)
-            await self.agent.start()
-            self._closers.insert(0, self.agent.close)
-        info = WorkerInfo(
-            worker_id=self.worker_id, role=self.role.value, engine=cfg.engine, model=model_name,
+        await self.handoff.start(engine, model_name)
+        self._closers.insert(0, self.handoff.close)
+        info = self.handoff.register(WorkerInfo(
+            worker_id=self.worker_id, role=self.role, engine=cfg.engine, model=model_name,
             rpc_endpoint="", block_size=cfg.engine_config.block_size,
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
-        )
-        if self.agent is not None:
-            info.kv_layout = _encoder.encode(self.agent.memory.layout)
-            info.kv_endpoint, info.kv_handoff = self.agent.endpoint, cfg.kv_handoff
+        ))
         self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace)
         self.events = await connect_event_plane(cfg.events, self.discovery)
         self._closers[:0] = [self.events.close, self.discovery.close]
@@ -189,105 +168,11 @@ class Worker:
     # ---- requests
 
     async def _handle(self, payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
-        """Stream a request's outputs. PREFILL: the stream stays open until the decode side has read
-        the KV, so a caller that goes away (closing the stream) frees the held blocks at once."""
+        """Stream a request's outputs, its hand-off done by the manager (a PREFILL stream stays open
+        until the decode side has the KV, so a caller that goes away frees the held blocks at once)."""
         request = _request_decoder.decode(payload)
-        released: asyncio.Event | None = None
-        pushing: asyncio.Task | None = None
-        try:
-            async for out in self.engine.generate(request, context):
-                if out.handoff is not None and out.handoff.engine_params is not None:
-                    out.handoff.worker_id = self.worker_id  # the engine holds and moves its KV itself
-                elif out.handoff is not None and self.config.kv_handoff == "push":
-                    pushing = asyncio.create_task(self._push(out))  # runs while the first token streams out
-                elif out.handoff is not None:
-                    released = self._hold(out.handoff)
-                pulled = self._pulled.pop(request.request_id, None)
-                if pulled is not None:
-                    out.kv_transfer_bytes, out.kv_transfer_s = pulled
-                yield _encoder.encode(out)
-            if released is not None:
-                await asyncio.wait_for(released.wait(), self._hold_limit_s + 5)
-            if pushing is not None:
-                await pushing  # bounded: the rendezvous by the lease, the push by the agent's timeout
-        finally:
-            self._pulled.pop(request.request_id, None)
-            if released is not None and not released.is_set():
-                self.agent.release(request.request_id)
-            if pushing is not None:
-                await cancel_and_wait([pushing])
-
-    def _hold(self, handoff: KVHandoff) -> asyncio.Event:
-        engine, loop = self.engine, asyncio.get_running_loop()
-        released = asyncio.Event()
-
-        def on_release(request_id: str, reason: ReleaseReason, _payload: bytes) -> None:
-            if reason is not ReleaseReason.DONE:
-                log.info("hand-off of %s ended: %s", request_id, reason.value)
-
-            def free() -> None:
-                released.set()
-                asyncio.ensure_future(engine.release_handoff(request_id))
-
-            loop.call_soon_threadsafe(free)
-
-        desc = self.agent.hold(handoff.request_id, handoff.block_ids, handoff.num_tokens, on_release)
-        handoff.descriptor = _encoder.encode(desc)
-        handoff.worker_id = self.worker_id
-        return released
-
-    async def _push(self, out: EngineOutput) -> None:
-        """PREFILL, push mode: write the prompt's KV and the first token into the blocks the decode
-        side reserved for this request id; the engine's blocks are freed whatever happens."""
-        rid = out.request_id
-        try:
-            target = await self.agent.wait_push_target(rid, self._lease_s)
-            # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
-            payload = _encoder.encode((out.token_ids[0], time.time()))
-            await self.agent.push(target, out.handoff.block_ids, payload=payload)
-        except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
-            log.warning("push of %s failed: %s", rid, exc)
-        finally:
-            await asyncio.shield(self.engine.release_handoff(rid))
-
-    async def _load_kv(self, handoff: KVHandoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
-        if handoff.mode == "push":
-            return await self._receive_push(handoff, local_block_ids, cached_blocks)
-        if handoff.descriptor is None:
-            raise ValueError(f"hand-off of {handoff.request_id!r} carries no transfer descriptor")
-        desc = msgspec.msgpack.decode(handoff.descriptor, type=TransferDescriptor)
-        start = time.perf_counter()
-        moved = await self.agent.pull(desc, local_block_ids[cached_blocks:], skip_prefix_blocks=cached_blocks)
-        self._pulled[handoff.request_id] = (moved, time.perf_counter() - start)
-        return None
-
-    async def _receive_push(self, handoff: KVHandoff, local_block_ids: list[int], cached_blocks: int) -> int:
-        """DECODE, push mode: reserve the blocks this worker lacks, tell the prefill worker where they
-        are, and wait until it has filled them; returns the first token it sent along."""
-        rid, loop = handoff.request_id, asyncio.get_running_loop()
-        ended: asyncio.Future = loop.create_future()
-
-        def on_release(request_id: str, reason: ReleaseReason, payload: bytes) -> None:
-            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result((reason, payload)))
-
-        blocks = local_block_ids[cached_blocks:]
-        target = self.agent.hold(rid, blocks, handoff.num_tokens, on_release, block_offset=cached_blocks,
-                                 writable=True, lease_s=handoff.wait_s + self._lease_s)
-        try:
-            await self.agent.reserve(handoff.peer_endpoint, target)
-            reason, payload = await ended
-        finally:
-            # A push in flight keeps writing these blocks until its Finish: wait for it (as long as the
-            # agent lets a pinned transfer run) before the engine may free them.
-            if self.agent.release(rid) and not ended.done():
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(ended), 2 * self._transfer.timeout_s)
-        if reason is not ReleaseReason.DONE:
-            raise TransferError(f"push of {rid!r} from {handoff.worker_id or 'the prefill worker'} ended: "
-                                f"{reason.value}")
-        first_token_id, started = msgspec.msgpack.decode(payload)
-        self._pulled[rid] = (len(blocks) * self.agent.memory.layout.block_bytes, max(0.0, time.time() - started))
-        return first_token_id
+        async for out in self.handoff.serve(request, self.engine.generate(request, context)):
+            yield _encoder.encode(out)
 
 
 async def _connect_discovery(url: str, namespace: str, patience_s: float = 60.0):

@@ -13,25 +13,10 @@ A report also carries the worker's measured step costs (StepCosts), which the `t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from router.indexer import WorkerId
-
-
-class LoadMetrics(Protocol):
-    """What a worker publishes about itself; dynamo_pd.protocol.LoadMetrics has this shape."""
-
-    worker_id: WorkerId
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int  # blocks no running request holds (evictable cached blocks count as free)
-    num_total_blocks: int
-    active_prefill_tokens: int  # prompt tokens admitted but not yet prefilled
-    # measured step costs (dynamo_pd/engines/native/step_costs.py); None: not measured (yet)
-    prefill_s_per_token: float | None
-    decode_s: float | None
-    decode_s_per_block: float | None
-    output_tokens: float | None
+from router.worker import LoadMetrics
 
 
 class StepCosts(NamedTuple):

@@ -6,12 +6,12 @@ import msgspec
 import pytest
 
 from dynamo_pd.engines.base import EngineUnavailableError, engine_names, load_engine_class
+from dynamo_pd.handoff import PushHandoff
 from dynamo_pd.model_store import ModelNotFoundError, resolve_model
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
     InvalidRequestError,
-    KVHandoff,
     SamplingParams,
     StopConditions,
     Usage,
@@ -53,7 +53,7 @@ def test_valid_request_passes_and_round_trips_msgpack():
         prompt_token_ids=[1, 2, 3],
         sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3, logprobs=2),
         stop=StopConditions(max_tokens=5, stop=["\n"], stop_token_ids=[2]),
-        handoff=KVHandoff(request_id="p", block_ids=[4, 5], num_tokens=20, block_size=16, descriptor=b"\x01"),
+        handoff=PushHandoff(worker_id="p", peer_endpoint="tcp://127.0.0.1:1", request_id="r", num_tokens=3),
         first_token_id=9,
     )
     request.validate()

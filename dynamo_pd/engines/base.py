@@ -5,29 +5,27 @@
     async for out in engine.generate(request, RequestContext(request.request_id)):
         ...
 
-Roles: AGGREGATED runs prompt and decode; PREFILL returns after the first token with a
-`KVHandoff` and keeps the prompt's blocks held until `release_handoff` (or a lease runs out);
-DECODE admits a request whose prompt KV arrives through the engine's `kv_loader`.
+Roles (router.worker.Role, the one role enum): AGGREGATED runs prompt and decode; PREFILL returns after
+the first token with a hand-off (dynamo_pd.handoff: `HeldKV` when it keeps the prompt's blocks until
+`release_handoff` or its lease runs out, `EngineHandoff` when it moves KV itself); DECODE admits a request
+whose prompt KV arrives through the engine's `kv_loader` (or its own connector).
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 import importlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_pd.protocol import EngineOutput, EngineRequest, HandoffMode, KVHandoff
+from dynamo_pd.handoff import Handoff, HandoffOffer, HandoffTimes
+from dynamo_pd.protocol import EngineOutput, EngineRequest
 from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
+from router.worker import Role
 
-
-class EngineRole(str, enum.Enum):
-    AGGREGATED = "aggregated"
-    PREFILL = "prefill"
-    DECODE = "decode"
+EngineRole = Role  # the one role enum (router.worker), under the name engines know it by
 
 
 class EngineUnavailableError(RuntimeError):
@@ -47,7 +45,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    handoff_lease_s: float = 30.0  # PREFILL: how long held blocks wait for the decode side
+    handoff: HandoffTimes = field(default_factory=HandoffTimes)  # leases and timeouts (--handoff-lease-s)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # engine-specific flags, passed through
 
@@ -55,7 +53,7 @@ class EngineConfig:
 # DECODE role: fill `local_block_ids` with the KV the handoff describes, skipping the first
 # `cached_blocks` blocks the decode engine already holds; raise on failure. Returns the first token
 # when it arrived with the KV (push hand-off), else None (the request's first_token_id holds it).
-KVLoader = Callable[[KVHandoff, list[int], int], Awaitable[int | None]]
+KVLoader = Callable[[Handoff, list[int], int], Awaitable[int | None]]
 
 
 class Engine(abc.ABC):
@@ -63,11 +61,11 @@ class Engine(abc.ABC):
     stats: Any = None  # a load snapshot with num_running, num_waiting, num_free_blocks, num_total_blocks,
     # num_active_prefill_tokens, for engines that can tell cheaply; None: the router predicts load alone
     # What the worker does for the engine (read from the class, before one is built). kv_handoffs: the
-    # hand-offs its KV transfer agent runs over the engine's `kv_cache` ([L, 2, B, T, H, D]): PREFILL
-    # holds or pushes blocks, DECODE gets a kv_loader; () when the engine moves KV itself
-    # (KVHandoff.engine_params). publishes_kv_events: the engine publishes its KV events itself, where
-    # extra["kv_events_endpoint"] says; else the worker publishes what drain_kv_events() returns.
-    kv_handoffs: tuple[HandoffMode, ...] = ()
+    # hand-offs ("pull", "push") its KV transfer agent runs over the engine's `kv_cache` ([L, 2, B, T, H, D]):
+    # PREFILL yields HeldKV, DECODE gets a kv_loader; () when the engine moves KV itself (EngineHandoff).
+    # publishes_kv_events: the engine publishes its KV events itself, where extra["kv_events_endpoint"]
+    # says; else the worker publishes what drain_kv_events() returns.
+    kv_handoffs: tuple[str, ...] = ()
     publishes_kv_events: bool = False
 
     @abc.abstractmethod
@@ -83,6 +81,12 @@ class Engine(abc.ABC):
     async def release_handoff(self, request_id: str) -> None:
         """PREFILL: free the blocks held for `request_id` (decode pulled them, or gave up)."""
         raise NotImplementedError(f"{type(self).__name__} does not hold KV for hand-off")
+
+    def handoff_offer(self) -> HandoffOffer | None:
+        """PREFILL, an engine that moves KV itself: the hand-off the frontend sends to prefill and decode
+        at once (SGLang's bootstrap address), registered after start(); None: the decode side is sent
+        what the prefill's first output carries (vLLM's kv_transfer_params)."""
+        return None
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events since the last call, in order (engines whose events the worker publishes)."""

@@ -4,7 +4,7 @@ Prompts go in as token ids; outputs stream as deltas. KV events are vLLM's own Z
 enabled through `EngineConfig.extra["kv_events_endpoint"]`. Disaggregation is vLLM's own:
 PREFILL and DECODE engines run its NixlConnector (unless `extra` brings another kv_transfer_config),
 a PREFILL request asks for do_remote_decode and returns the kv_transfer_params vLLM hands back in
-`KVHandoff.engine_params`, and a DECODE request passes them in again; vLLM then pulls the blocks
+an `EngineHandoff`'s params, and a DECODE request passes them in again; vLLM then pulls the blocks
 itself and samples the first token again from the pulled KV. The NIXL side channel listens on
 VLLM_NIXL_SIDE_CHANNEL_HOST (default here 127.0.0.1) and _PORT (default here a free port).
 Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
@@ -25,14 +25,15 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
 from dynamo_pd.model_store import resolve_model
-from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, TokenLogprob, Usage
+from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.ports import free_port
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
 class VllmEngine(Engine):
-    publishes_kv_events = True  # vLLM's own ZMQ publisher; KV moves through its KV connector (engine_params)
+    publishes_kv_events = True  # vLLM's own ZMQ publisher; KV moves through its KV connector (EngineHandoff)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -89,8 +90,8 @@ class VllmEngine(Engine):
             max_tokens = 1
             if stop.max_tokens > 1:  # else the first token is the whole answer: no KV to hold for a decode side
                 transfer = {"do_remote_decode": True, "do_remote_prefill": False}
-        elif self.role is EngineRole.DECODE and request.handoff is not None:
-            transfer = request.handoff.engine_params
+        elif self.role is EngineRole.DECODE and isinstance(request.handoff, EngineHandoff):
+            transfer = request.handoff.params
         return SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
@@ -134,7 +135,7 @@ class VllmEngine(Engine):
                 final = out.finished
                 # vLLM's connector holds the KV for a decode side exactly when it returns its params
                 held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
-                handoff = self._handoff(request, out) if held else None
+                handoff = EngineHandoff(params=out.kv_transfer_params) if held else None
                 yield EngineOutput(
                     request_id=request.request_id,
                     token_ids=list(completion.token_ids),
@@ -155,15 +156,6 @@ class VllmEngine(Engine):
         finally:
             cancelled.cancel()
             await stream.aclose()
-
-    def _handoff(self, request: EngineRequest, out: Any) -> KVHandoff:
-        return KVHandoff(
-            request_id=request.request_id,
-            block_ids=[],  # vLLM's connector carries its own block ids in engine_params
-            num_tokens=len(request.prompt_token_ids),
-            block_size=self.config.block_size,
-            engine_params=out.kv_transfer_params,
-        )
 
     async def release_handoff(self, request_id: str) -> None:
         # vLLM's connector frees prefill blocks itself once the decode side has read them.

@@ -6,14 +6,14 @@ Disaggregated path of one request:
      prefills it itself (conditional disaggregation);
   2. otherwise route to a prefill worker by overlap and load; it returns the first token, which
      goes to the client at once;
-  3. the hand-off the prefill worker registered decides the rest:
-     pull: the first output's KVHandoff says where the KV is held; the decode worker, sent the
-           request with it, pulls the KV through kv_transfer and streams the rest (an engine
-           that moves KV itself, like vLLM, carries its own params and samples the first token
-           again on the decode side: then that token, not the prefill's, goes to the client);
-     push: the decode request went out together with the prefill request, under the same request
-           id; the decode worker reserved blocks, the prefill worker wrote the KV and the first
-           token into them, and the decode worker streams the rest.
+  3. what the prefill worker registered decides the rest (dynamo_pd.handoff), never its engine's name:
+     no offer (pull-like): the first output's hand-off (a PullHandoff, or an engine's own) goes to
+           the decode worker with the request; it loads the KV and streams the rest;
+     an offer (push-like): `offer.for_request(...)` went to prefill and decode together, under the
+           same request id; the decode worker reserved blocks, the prefill worker wrote the KV and
+           the first token into them, and the decode worker streams the rest.
+     The client gets the prefill's first token, or the decode side's when the hand-off says the
+     decode side samples it again (`first_token_from_decode`, vLLM).
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
 (counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured.
 """
@@ -32,7 +32,8 @@ import msgspec
 from dynamo_pd.frontend.kv_events import KvEventFollower
 from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from dynamo_pd.metrics import Metrics
-from dynamo_pd.protocol import EngineOutput, EngineRequest, KVHandoff, LoadMetrics, OverloadedError, Usage, WorkerInfo
+from dynamo_pd.handoff import together_timeouts
+from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.hashing import block_hashes
@@ -183,9 +184,9 @@ class RemoteBackend:
         async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
                                            first_response_timeout_s=first_response_timeout_s):
             out = _output_decoder.decode(chunk)
-            if out.kv_transfer_bytes:
-                self.metrics.transfer_bytes.inc(out.kv_transfer_bytes)
-                self.metrics.transfer_seconds.observe(out.kv_transfer_s)
+            if out.transfer is not None:
+                self.metrics.transfer_bytes.inc(out.transfer.nbytes)
+                self.metrics.transfer_seconds.observe(out.transfer.seconds)
             if first and out.token_ids:
                 self.router.mark_prefill_done(request.request_id, pool)
                 first = False
@@ -208,15 +209,16 @@ class RemoteBackend:
                 prefill = self.workers.get(self._route("prefill", request).worker_id)
                 if prefill is None:
                     raise OverloadedError("the chosen prefill worker left before the request reached it")
-                prefill_stream = self._stream(prefill.worker_id, request, prefill_context, "prefill")
-                if prefill.kv_handoff == "push":  # the decode worker reserves blocks while the prefill runs
-                    wait_s = self.rpc.first_response_timeout_s  # as long as this router waits for the prefill
-                    decode_stream = self._stream(decode.worker_id, msgspec.structs.replace(request, handoff=KVHandoff(
-                        request_id=request.request_id, block_ids=[], num_tokens=len(request.prompt_token_ids),
-                        block_size=prefill.block_size, worker_id=prefill.worker_id, mode="push",
-                        peer_endpoint=prefill.kv_endpoint, wait_s=wait_s)), context, "decode",
-                        first_response_timeout_s=wait_s + self.rpc.first_response_timeout_s)
+                to_prefill = request
+                if prefill.handoff_offer is not None:  # to both at once: decode gets ready while the prefill runs
+                    wait_s, decode_first_s = together_timeouts(self.rpc.first_response_timeout_s)
+                    offered = prefill.handoff_offer.for_request(request.request_id, len(request.prompt_token_ids),
+                                                                wait_s)
+                    to_prefill = msgspec.structs.replace(request, handoff=offered)
+                    decode_stream = self._stream(decode.worker_id, to_prefill, context, "decode",
+                                                 first_response_timeout_s=decode_first_s)
                     decode_started = asyncio.ensure_future(anext(decode_stream))
+                prefill_stream = self._stream(prefill.worker_id, to_prefill, prefill_context, "prefill")
                 first = await anext(prefill_stream)
                 if first.handoff is None and first.finish_reason not in ("stop", "length"):
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
@@ -232,8 +234,7 @@ class RemoteBackend:
             if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
                 yield first
                 return
-            # An engine's own hand-off (vLLM) re-samples the first token on the decode side: send that one.
-            resampled = first.handoff.engine_params is not None
+            resampled = first.handoff.first_token_from_decode  # then the decode side's first token is the one
             if not resampled:
                 yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
             if decode_stream is None:

@@ -14,6 +14,7 @@ from dynamo_pd.engines.native.core import EngineCore
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.sequence import Sequence
+from dynamo_pd.handoff import PushHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, SamplingParams, StopConditions
 
 PROMPTS = ["List three colors:", "Le café et la crème brûlée, en français:", "東京は", "Emoji story: 🍕🍕"]
@@ -71,13 +72,15 @@ def disaggregated(cores, request: EngineRequest, how: str) -> list[EngineOutput]
         prefill.release_handoff(rid)
         rest = run(decode, msgspec.structs.replace(request, first_token_id=token))
     else:
-        handoff = msgspec.structs.replace(first.handoff, mode=how)
+        held = first.handoff
+        handoff = held if how == "pull" else PushHandoff(worker_id="p", peer_endpoint="", request_id=rid,
+                                                         num_tokens=held.num_tokens)
         decode.add_request(msgspec.structs.replace(request, handoff=handoff,
                                                    first_token_id=token if how == "pull" else None))
         assert decode.step() == []  # admitted for loading
         (seq,) = decode.take_new_loads()
         cached = (seq.num_cached_tokens or 0) // seq.block_size
-        src, dst = torch.tensor(handoff.block_ids[cached:]), torch.tensor(seq.block_table[cached:])
+        src, dst = torch.tensor(held.block_ids[cached:]), torch.tensor(seq.block_table[cached:])
         decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
         prefill.release_handoff(rid)
         rest = finish(decode, rid, [decode.finish_load(rid, None if how == "pull" else token)])

@@ -9,6 +9,7 @@ import torch
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.engines.native.engine import NativeEngine
+from dynamo_pd.handoff import HandoffTimes
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
@@ -45,10 +46,11 @@ class CopyLoader:
         self.source = source
         self.target: NativeEngine | None = None
         self.calls: list[tuple[list[int], int]] = []
+        self.unreachable: set[str] = set()  # prefill request ids whose KV cannot be reached
 
     async def __call__(self, handoff, local_block_ids, cached_blocks):
         self.calls.append((list(local_block_ids), cached_blocks))
-        if handoff.worker_id == "unreachable":
+        if handoff.request_id in self.unreachable:
             raise ConnectionError("prefill worker unreachable")
         src = torch.tensor(handoff.block_ids[cached_blocks:])
         dst = torch.tensor(local_block_ids[cached_blocks:])
@@ -145,22 +147,22 @@ async def test_prefill_to_decode_handoff_matches_aggregated(engines, prompt_ids)
 async def test_handoff_lease_expires(engines, prompt_ids):
     prefill = engines[1]
     before = prefill.stats.handoff_expiries
-    prefill.config.handoff_lease_s = 0.2
+    prefill.config.handoff = HandoffTimes(lease_s=0.1, transfer_timeout_s=0.05)
     try:
         (done,) = await collect(prefill, request("leased", prompt_ids[2]))
         assert done.handoff is not None
         await wait_idle(prefill, timeout=5)
     finally:
-        prefill.config.handoff_lease_s = 30.0
+        prefill.config.handoff = HandoffTimes()
     assert prefill.stats.handoff_expiries == before + 1
     await prefill.release_handoff("leased")  # after expiry: a no-op, not an error
 
 
 async def test_failed_kv_load_ends_with_error_and_frees_blocks(engines, prompt_ids):
-    _, prefill, decode, _ = engines
+    _, prefill, decode, loader = engines
     (done,) = await collect(prefill, request("pre-fail", prompt_ids[1]))
     handoff = done.handoff
-    handoff.worker_id = "unreachable"
+    loader.unreachable.add(handoff.request_id)
     outs = await collect(decode, request("dec-fail", prompt_ids[1], handoff=handoff, first_token_id=done.token_ids[0]))
     assert outs[-1].finish_reason == "error" and "unreachable" in outs[-1].error
     await prefill.release_handoff("pre-fail")

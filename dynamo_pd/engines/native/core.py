@@ -23,11 +23,11 @@ from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
 from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.model_store import resolve_model
+from dynamo_pd.handoff import EngineHandoff, HeldKV, PushHandoff
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
     InvalidRequestError,
-    KVHandoff,
     PromptTooLongError,
     TokenLogprob,
     Usage,
@@ -113,7 +113,10 @@ class EngineCore:
                                       "first_token_id")
         handoff = request.handoff
         if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
-            if request.first_token_id is None and handoff.mode == "pull":
+            if isinstance(handoff, EngineHandoff):
+                raise InvalidRequestError("this engine's KV is moved by its worker, not by an engine connector",
+                                          "handoff")
+            if request.first_token_id is None and not isinstance(handoff, PushHandoff):
                 raise InvalidRequestError("a pull hand-off needs the first_token_id the prefill sampled",
                                           "first_token_id")
             if handoff.num_tokens != len(prompt):
@@ -207,9 +210,9 @@ class EngineCore:
                           cached_tokens=seq.num_cached_tokens or 0)
         if out.finish_reason == "prefill_done":
             seq.status = SequenceStatus.HELD
-            self.held[seq.request_id] = (seq, time.monotonic() + self.config.handoff_lease_s)
-            out.handoff = KVHandoff(request_id=seq.request_id, block_ids=list(seq.block_table),
-                                    num_tokens=seq.num_prompt_tokens, block_size=self.block_manager.block_size)
+            self.held[seq.request_id] = (seq, time.monotonic() + self.config.handoff.engine_lease_s)
+            out.handoff = HeldKV(request_id=seq.request_id, block_ids=list(seq.block_table),
+                                 num_tokens=seq.num_prompt_tokens)
         else:
             seq.status = SequenceStatus.FINISHED
             self.block_manager.release(seq)

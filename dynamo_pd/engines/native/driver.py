@@ -128,7 +128,7 @@ class CoreDriver(Engine):
         try:
             first_token_id = await asyncio.wait_for(
                 self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
-                timeout=self.config.handoff_lease_s + request.handoff.wait_s)
+                timeout=self.config.handoff.load_timeout_s(request.handoff))
             await self._after_load(request, order)
         except Exception as exc:  # noqa: BLE001 - any loader failure ends this request, not the engine
             message = f"KV load for {rid!r} failed: {exc!r}"
