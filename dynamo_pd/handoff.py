@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -38,6 +39,7 @@ import msgspec
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.memory import KVMemory
 from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
+from kv_transfer.side_channel import Guard, Plain
 from kv_transfer.transports import TransferConfig
 
 if TYPE_CHECKING:  # protocol.py carries these kinds in its structs
@@ -170,8 +172,11 @@ class HandoffManager:
     the engine's kv_loader. Engines that move KV themselves get no agent; their hand-offs are stamped with
     the worker id and passed on."""
 
-    def __init__(self, worker_id: str, times: HandoffTimes, transport: str = "zmq", offer_push: bool = False):
+    def __init__(self, worker_id: str, times: HandoffTimes, transport: str = "zmq", offer_push: bool = False, *,
+                 host: str = "127.0.0.1", advertise_host: str = "", guard: Guard = Plain()):
         self.worker_id, self.times, self._transport, self._offer_push = worker_id, times, transport, offer_push
+        # where the agent's side channel binds, the address peers reach it at, how its sockets are secured
+        self._place = dict(endpoint=f"tcp://{host}:0", advertise_host=advertise_host, guard=guard)
         self.agent: KVTransferAgent | None = None
         self._engine: Any = None
         self._moved: dict[str, TransferStats] = {}  # DECODE: request id -> what its load moved
@@ -181,7 +186,8 @@ class HandoffManager:
         self._engine = engine
         if engine.kv_handoffs:
             memory = KVMemory.native(engine.kv_cache, model_name)
-            self.agent = KVTransferAgent(self.worker_id, memory, self.times.transfer_config(self._transport))
+            config = dataclasses.replace(self.times.transfer_config(self._transport), **self._place)
+            self.agent = KVTransferAgent(self.worker_id, memory, config)
             await self.agent.start()
 
     async def close(self) -> None:

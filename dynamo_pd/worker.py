@@ -20,12 +20,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
+from dynamo_pd.credentials import add_security_args, security_from_args
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, load_engine_class
 from dynamo_pd.handoff import HandoffManager
 from dynamo_pd.model_store import DEFAULT_MODEL
@@ -39,6 +40,8 @@ from dynamo_pd.runtime import (
     connect_event_plane,
 )
 from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
+from dynamo_pd.runtime.ports import advertise_host
+from dynamo_pd.runtime.security import Security
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.events import encode_batch
 
@@ -58,7 +61,9 @@ class WorkerConfig:
     events: str | None = None  # nats://... ; None: ZMQ
     kv_transport: str = "zmq"
     kv_handoff: str = "pull"  # PREFILL: "pull" or "push"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # every plane binds it
+    advertise_host: str = ""  # and registers this address ("": host, or the route to discovery for a wildcard)
+    security: Security = field(default_factory=Security)  # the cluster secret's CURVE keys, NATS / etcd credentials
     worker_id: str = ""
     load_interval_s: float = 0.5
 
@@ -69,8 +74,10 @@ class Worker:
         role = config.engine_config.role.value
         self.worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.engine: Engine | None = None
+        self.advertise_host = advertise_host(config.host, config.advertise_host, config.discovery)
         self.handoff = HandoffManager(self.worker_id, config.engine_config.handoff, config.kv_transport,
-                                      offer_push=config.kv_handoff == "push")
+                                      offer_push=config.kv_handoff == "push", host=config.host,
+                                      advertise_host=self.advertise_host, guard=config.security)
         self._tasks: list[asyncio.Task] = []
         self._closers: list = []
 
@@ -102,11 +109,13 @@ class Worker:
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
         ))
-        self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace)
-        self.events = await connect_event_plane(cfg.events, self.discovery)
+        self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace, cfg.security)
+        self.events = await connect_event_plane(cfg.events, self.discovery, host=cfg.host,
+                                                advertise_host=self.advertise_host, security=cfg.security)
         self._closers[:0] = [self.events.close, self.discovery.close]
         info = self._start_event_publisher(info)
-        rpc = RpcServer(self._handle, f"tcp://{cfg.host}:0")
+        rpc = RpcServer(self._handle, f"tcp://{cfg.host}:0", advertise_host=self.advertise_host,
+                        security=cfg.security)
         await rpc.start()
         self._closers.insert(0, rpc.close)
         info.rpc_endpoint = rpc.endpoint
@@ -139,7 +148,8 @@ class Worker:
             info.kv_events_subject = f"{cfg.namespace}.kv_events.{self.worker_id}"
             publisher = PlaneBatchPublisher(self.events, info.kv_events_subject)
         else:  # ZMQ: vLLM's wire, with a replay socket
-            publisher = ZmqBatchPublisher(f"tcp://{cfg.host}:0", replay_endpoint=f"tcp://{cfg.host}:0")
+            publisher = ZmqBatchPublisher(f"tcp://{cfg.host}:0", replay_endpoint=f"tcp://{cfg.host}:0",
+                                          advertise_host=self.advertise_host, security=cfg.security)
             info.kv_events_endpoint, info.kv_events_replay_endpoint = publisher.endpoint, publisher.replay_endpoint
             self._closers.append(publisher.close)
         self._tasks.append(asyncio.create_task(self._flush_events(publisher)))
@@ -175,12 +185,12 @@ class Worker:
             yield _encoder.encode(out)
 
 
-async def _connect_discovery(url: str, namespace: str, patience_s: float = 60.0):
+async def _connect_discovery(url: str, namespace: str, security: Security, patience_s: float = 60.0):
     """Workers may start before the frontend hosting embedded discovery: wait for it, boundedly."""
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return await connect_discovery(url, namespace=namespace)
+            return await connect_discovery(url, namespace=namespace, security=security)
         except DiscoveryUnavailableError:
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: discovery at {url} unreachable for {patience_s:.0f}s (--discovery)") from None
@@ -195,15 +205,20 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     parser.add_argument("--events", default=None, help="nats://HOST:PORT to carry events over NATS (default: ZMQ)")
     add_kv_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address this worker binds (default 127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address every plane of this worker binds (default 127.0.0.1; 0.0.0.0: every interface)")
+    parser.add_argument("--advertise-host", default="",
+                        help="address peers reach this worker at (default: --host, or for 0.0.0.0 this host's "
+                             "address on the route to discovery)")
     parser.add_argument("--worker-id", default="")
+    add_security_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
     return WorkerConfig(
         engine=args.engine, engine_config=engine_config(args, role, passthrough), discovery=args.discovery,
         namespace=check_namespace(args.namespace),
         events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
-        worker_id=args.worker_id,
+        advertise_host=args.advertise_host, security=security_from_args(args), worker_id=args.worker_id,
     )
 
 
