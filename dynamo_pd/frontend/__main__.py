@@ -6,17 +6,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
 import uvicorn
 
 from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace
+from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_from_args, security_from_args
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
+from dynamo_pd.runtime.ports import advertise_host
+from dynamo_pd.runtime.security import configure
 from router.service import KvRouter, RouterConfig
 
 log = logging.getLogger("dynamo_pd.frontend")
@@ -24,19 +26,24 @@ log = logging.getLogger("dynamo_pd.frontend")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dynamo_pd.frontend", description="dynamo-pd OpenAI frontend + router")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP and ZMQ event plane bind address (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--advertise-host", default="",
+                   help="address other frontends reach this one's event plane at (default: --host, or for 0.0.0.0 "
+                        "this host's address on the route to discovery)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help=f"the model the workers serve (default {DEFAULT_MODEL})")
     p.add_argument("--discovery", default="tcp://127.0.0.1:7000",
                    help="etcd://HOST:PORT, or tcp://HOST:PORT where this frontend hosts embedded discovery")
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--events", default=None, help="nats://HOST:PORT (default: ZMQ)")
-    p.add_argument("--api-key", default=os.environ.get("DYNAMO_PD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /ready "
-                        "(default: $DYNAMO_PD_API_KEY)")
+    add_api_key_args(p)
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size, for routing")
     add_frontend_args(p)
+    add_security_args(p)
     args = p.parse_args(argv)
+    args.api_key = api_key_from_args(args)
+    args.security = security_from_args(args)
     if not (args.discovery.startswith("tcp://") or args.discovery.startswith("etcd://")):
         p.error(f"--discovery must be etcd://HOST:PORT or tcp://HOST:PORT, got {args.discovery!r}")
     if args.events is not None and not args.events.startswith("nats://"):
@@ -52,12 +59,14 @@ async def run(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     context_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
     closers = []
+    configure(args.security)  # every socket of this process: its RPC client, KV event readers, discovery
     if args.discovery.startswith("tcp://"):
         server = DiscoveryServer(args.discovery)
         await server.start()
         closers.append(server.close)
     discovery = await connect_discovery(args.discovery, namespace=check_namespace(args.namespace))
-    events = await connect_event_plane(args.events, discovery)
+    events = await connect_event_plane(args.events, discovery, host=args.host,
+                                       advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
     metrics = Metrics()
     router = KvRouter(RouterConfig(block_size=args.block_size, policy=args.router_policy,
                                    overlap_weight=args.overlap_weight, temperature=args.router_temperature,
