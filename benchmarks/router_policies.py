@@ -11,6 +11,8 @@ workload in turn; workloads share no prompts, so one does not warm the cache for
   shared-prefix  aiperf's prefix pool: --prefixes prompts of --prefix-tokens tokens, each request one of them
                  plus its own question; the pool is larger than one worker's KV cache, so a policy that
                  sends a prefix everywhere keeps evicting it;
+  small-prefix   the same with --small-prefixes prompts, a pool that fits one worker's cache: every policy
+                 can keep it everywhere, and a cache-aware one must not fall behind the others there;
   multi-turn     chat sessions whose every turn resends the conversation so far (aiperf's multi-turn);
   mooncake       the first --trace-requests rows of the Mooncake conversation trace (../shared/data, aiperf's
                  mooncake_trace: equal hash ids -> equal 512-token blocks) at the trace's own timestamps,
@@ -34,16 +36,17 @@ from benchmarks.session import Session, add_common_args, worker_args
 from router.service import PolicyName
 
 POLICIES = typing.get_args(PolicyName)
-WORKLOADS = ("shared-prefix", "multi-turn", "mooncake")
+WORKLOADS = ("shared-prefix", "small-prefix", "multi-turn", "mooncake")
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 CONTEXT_TOKENS = 8192  # SmolLM2's context, which the frontend enforces (the mocker serves its vocabulary)
 TRACE_BLOCK_TOKENS = 512
 
 DEFAULTS = {  # a simulated 8B model on H100s with 16 GB of KV each (mocker), or SmolLM2 on this CPU
-    "mocker": dict(workers=16, rate=8.0, requests=200, quick_requests=64, prefixes=64, prefix_tokens=4096,
-                   question_tokens=128, osl=64, trace_requests=100, quick_trace_requests=40, trace_scale=1,
-                   kv_cache_memory_gb=16.0, speedup=0.5, ttft_slo_ms=300.0, itl_slo_ms=12.0),
-    "real": dict(workers=2, rate=0.5, requests=16, quick_requests=8, prefixes=6, prefix_tokens=256,
+    # mocker: 4 GB of KV holds 32768 tokens of the 8B model (128 KiB each): 8 prefixes; the pool is 32
+    "mocker": dict(workers=16, rate=8.0, requests=256, quick_requests=64, prefixes=32, small_prefixes=4,
+                   prefix_tokens=4096, question_tokens=128, osl=64, trace_requests=100, quick_trace_requests=40,
+                   trace_scale=1, kv_cache_memory_gb=4.0, speedup=0.5, ttft_slo_ms=300.0, itl_slo_ms=12.0),
+    "real": dict(workers=2, rate=0.5, requests=16, quick_requests=8, prefixes=6, small_prefixes=1, prefix_tokens=256,
                  question_tokens=32, osl=8, trace_requests=8, quick_trace_requests=4, trace_scale=32,
                  kv_cache_memory_gb=0.03, speedup=1.0, ttft_slo_ms=3000.0, itl_slo_ms=300.0),
 }
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, help="requests/s of the shared-prefix and multi-turn workloads")
     p.add_argument("--requests", type=int, help="requests of the shared-prefix and multi-turn workloads")
     p.add_argument("--prefixes", type=int, help="shared-prefix: distinct prefixes in the pool")
+    p.add_argument("--small-prefixes", type=int, help="small-prefix: distinct prefixes in its (smaller) pool")
     p.add_argument("--prefix-tokens", type=int, help="shared-prefix: tokens per prefix")
     p.add_argument("--question-tokens", type=int, help="tokens of each request's own part, or of each turn")
     p.add_argument("--osl", type=int, help="output tokens per request (synthetic workloads)")
@@ -104,10 +108,13 @@ def workloads(args: argparse.Namespace, out: Path, speedup: float) -> dict[str, 
     synthetic = ["--synthetic-input-tokens-mean", str(args.question_tokens), "--synthetic-input-tokens-stddev", "0",
                  "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0"]
     turns = 4
+    def prefixed(name: str, prefixes: int) -> Workload:
+        return Workload(name, [*synthetic, "--prompt-prefix-pool-size", str(prefixes),
+                               "--prompt-prefix-length", str(args.prefix_tokens)], requests=args.requests, rate=args.rate)
+
     found = {
-        "shared-prefix": Workload("shared-prefix", [*synthetic, "--prompt-prefix-pool-size", str(args.prefixes),
-                                                    "--prompt-prefix-length", str(args.prefix_tokens)],
-                                  requests=args.requests, rate=args.rate),
+        "shared-prefix": prefixed("shared-prefix", args.prefixes),
+        "small-prefix": prefixed("small-prefix", args.small_prefixes),
         "multi-turn": Workload("multi-turn", [*synthetic, "--conversation-num", str(max(1, args.requests // turns)),
                                               "--conversation-turn-mean", str(turns), "--conversation-turn-stddev", "0",
                                               "--conversation-turn-delay-mean", f"{1000 / speedup:.0f}"],
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Router policies on {args.workers} aggregated {args.engine} workers ({args.kv_cache_memory_gb:g} GB of KV "
             f"each); all times in {time_note}. shared-prefix: {args.requests} requests at {args.rate:g} req/s, "
             f"{args.prefixes} prefixes x {args.prefix_tokens} tokens (working set {args.prefixes * args.prefix_tokens} "
-            f"tokens) + {args.question_tokens}, {args.osl} output tokens; multi-turn: {args.requests} requests, 4 turns "
+            f"tokens) + {args.question_tokens}, {args.osl} output tokens; small-prefix: the same with {args.small_prefixes} "
+            f"prefixes; multi-turn: {args.requests} requests, 4 turns "
             f"per session, {args.question_tokens} new tokens a turn; mooncake: {args.trace_requests} trace rows, lengths "
             f"/ {args.trace_scale}. Goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.itl_ms:g} ms.")
     report.write(session.out, f"Router policies, {args.workers} workers", note, session.summaries, session.ttfts)

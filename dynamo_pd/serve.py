@@ -50,6 +50,9 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--nats", default=None, help="nats://HOST:PORT for the event plane instead of ZMQ")
     add_kv_args(p)
     p.add_argument("--api-key", default=None, help="require this Bearer key on the HTTP API")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin each worker to its own equal share of this process's cores (benchmarks: every "
+                        "configuration of N workers gets the same compute); mocker workers are not pinned")
     add_frontend_args(p)
     return p
 
@@ -101,6 +104,12 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
         workers = [[sys.executable, "-m", f"dynamo_pd.{role}", "--worker-id", f"{role}-{i}", *common, *engine_argv,
                     *share] for role, n in roles for i in range(n)]
     return discovery, [frontend, *workers]
+
+
+def core_sets(workers: int, cores: list[int]) -> list[list[int]]:
+    """Each worker its own equal share of the cores (workers beyond the cores share them in turn)."""
+    share = max(1, len(cores) // workers)
+    return [[cores[(i * share + j) % len(cores)] for j in range(share)] for i in range(workers)]
 
 
 def worker_count(args: argparse.Namespace) -> int:
@@ -224,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(os.environ)
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(commands) - 1))))
+    pins: list[list[int] | None] = [None] * len(commands)
+    if args.pin_cores and args.engine != "mocker":
+        pins[1:] = core_sets(len(commands) - 1, sorted(os.sched_getaffinity(0)))
     children: list[subprocess.Popen] = []
 
     def on_signal(_signum, _frame) -> None:
@@ -235,9 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for command in commands:
+        for command, cores in zip(commands, pins):
+            child_env = env if cores is None else {**env, "OMP_NUM_THREADS": str(len(cores))}  # a thread per core
             with open(log_dir / f"{child_name(command)}.log", "wb") as log:
-                children.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+                children.append(subprocess.Popen(
+                    command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=None if cores is None else lambda cores=cores: os.sched_setaffinity(0, cores)))
         asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)

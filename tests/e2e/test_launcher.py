@@ -133,3 +133,38 @@ def test_the_readme_vllm_line_serves_1_prefill_and_1_decode(tmp_path, openai_cli
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
     assert code == 0, log_path.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_pin_cores_gives_each_worker_its_own_share_of_the_cores(tmp_path):
+    """`--pin-cores` (what the benchmark comparisons start deployments with): each worker process runs on its own
+    cores, one OpenMP thread per core; the frontend is not pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores to give 2 workers a share each")
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dynamo_pd.serve", "--aggregated", "2", "--pin-cores",
+                                 "--kv-cache-memory-gb", "0.05", "--port", str(port), "--discovery-port", str(free_port())],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=log_path)
+    try:
+        deployment.wait_for(lambda: b"dynamo-pd ready" in log_path.read_bytes() or proc.poll() is not None, 300,
+                            "launcher ready")
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        children = [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+
+        def pinned(pid: int) -> tuple[str, str, list[int]]:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+            return argv[2].decode(), env.get(b"OMP_NUM_THREADS", b"").decode(), sorted(os.sched_getaffinity(pid))
+
+        seen = sorted(pinned(pid) for pid in children)
+        share = len(cores) // 2
+        assert seen == [("dynamo_pd.aggregated", str(share), cores[:share]),
+                        ("dynamo_pd.aggregated", str(share), cores[share:2 * share]),
+                        ("dynamo_pd.frontend", seen[2][1], cores)], seen
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 0, log_path.read_text()[-3000:]
