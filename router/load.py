@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.indexer import WorkerId
-from router.worker import LoadMetrics
+from router.worker import LoadMetrics, Role
+
+
+class LoadKey(NamedTuple):
+    """One placement: a request on one pool, placed by this router ("") or by the replica `router_id`."""
+
+    request_id: str
+    role: Role
+    router_id: str = ""
 
 
 class StepCosts(NamedTuple):
@@ -62,7 +70,7 @@ class _Worker:
 class LoadTracker:
     def __init__(self) -> None:
         self._workers: dict[WorkerId, _Worker] = {}
-        self._placements: dict[str, _Placement] = {}
+        self._placements: dict[LoadKey, _Placement] = {}
 
     def add_worker(self, worker_id: WorkerId, capacity_blocks: int) -> None:
         if capacity_blocks <= 0:
@@ -75,7 +83,7 @@ class LoadTracker:
         for key in [key for key, p in self._placements.items() if p.worker_id == worker_id]:
             del self._placements[key]
 
-    def place(self, key: str, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
+    def place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
         if key in self._placements:
             raise ValueError(
                 f"request {key!r} is already placed on worker {self._placements[key].worker_id!r}"
@@ -88,7 +96,7 @@ class LoadTracker:
         worker.blocks += blocks
         worker.requests += 1
 
-    def prefill_done(self, key: str) -> bool:
+    def prefill_done(self, key: LoadKey) -> bool:
         placement = self._placements.get(key)
         if placement is None or placement.prefill_done:
             return False
@@ -98,7 +106,7 @@ class LoadTracker:
             worker.prefill_tokens -= placement.prefill_tokens
         return True
 
-    def finish(self, key: str) -> bool:
+    def finish(self, key: LoadKey) -> bool:
         self.prefill_done(key)
         placement = self._placements.pop(key, None)
         if placement is None:

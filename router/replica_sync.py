@@ -25,7 +25,8 @@ from typing import Literal
 import msgspec
 
 from router.indexer import WorkerId
-from router.load import LoadTracker
+from router.load import LoadKey, LoadTracker
+from router.worker import Role
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class LoadUpdate(msgspec.Struct, array_like=True, frozen=True):
     router_id: str
     kind: Literal["place", "prefill_done", "finish"]
-    key: str
+    key: str  # "<role>:<request id>" of the sender's LoadKey
     worker_id: WorkerId = ""
     prefill_tokens: int = 0
     blocks: int = 0
@@ -52,24 +53,26 @@ class ReplicaSync:
         self.applied = 0
         self.expired = 0  # remote placements dropped because their finish never came
         self._send = send
-        self._remote: OrderedDict[str, float] = OrderedDict()  # remote placement key -> expiry, oldest first
+        self._remote: OrderedDict[LoadKey, float] = OrderedDict()  # remote placement key -> expiry, oldest first
 
     def publish(
-        self, kind: str, key: str, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
+        self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
     ) -> None:
         self.expire()
-        self._send(_encoder.encode(LoadUpdate(self.router_id, kind, key, worker_id, prefill_tokens, blocks)))
+        wire_key = f"{key.role.value}:{key.request_id}"
+        self._send(_encoder.encode(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks)))
 
     def apply(self, data: bytes) -> None:
         try:
             update = _decoder.decode(data)
-        except msgspec.MsgspecError as exc:
+            role, _, request_id = update.key.partition(":")
+            key = LoadKey(request_id, Role(role), update.router_id)
+        except (msgspec.MsgspecError, ValueError) as exc:
             log.warning("ignored a malformed load update (%d bytes): %s", len(data), exc)
             return
         if update.router_id == self.router_id:
             return
         self.expire()
-        key = f"{update.router_id}/{update.key}"
         if update.kind == "place":
             try:
                 self.tracker.place(key, update.worker_id, update.prefill_tokens, update.blocks)

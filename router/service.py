@@ -1,15 +1,19 @@
 """KvRouter: the facade the frontend calls. One instance per router process, used from its event loop.
 
-    router = KvRouter(RouterConfig(block_size=16))
-    router.add_worker("p0", "prefill", capacity_blocks=4096)         # its KV events: router.ingestor.follow
-    decision = router.route("prefill", request_id, token_ids)        # RouteDecision or Overloaded
-    router.mark_prefill_done(request_id)  # first token
-    router.mark_finished(request_id)      # done, aborted or failed: frees the predicted load
+    router = KvRouter(RouterConfig())       # block size: the first worker's (or RouterConfig.block_size)
+    router.add_worker("p0", Role.PREFILL, capacity_blocks=4096, block_size=16)  # its KV events: router.ingestor
+    placement = router.place(request_id, token_ids, local_prefill_tokens=0)   # Placement, or Overloaded
+    placement.decode, placement.prefill     # where it runs: RouteDecisions (prefill None: decode prefills)
+    placement.first_token(Role.PREFILL)     # its life: a worker's first token, a worker's failure, the end
+    placement.failed(Role.PREFILL); placement.finished()
     router.update_load_metrics(LoadMetrics(...))
 
-Pools: "prefill" (overlap + load), "decode" (load; overlap too when `local_prefill=True`, i.e. the
-decode worker prefills the prompt itself), "aggregated" (overlap + load). A request id may hold one
-placement per pool; mark_* apply to all of them unless a pool is named.
+Pools (router.worker.Role): PREFILL (overlap + load), DECODE (load; overlap too when `local_prefill`,
+i.e. the decode worker prefills the prompt itself), AGGREGATED (overlap + load). `place` picks the pools:
+AGGREGATED when there is no decode worker; else DECODE, and PREFILL unless the decode worker may prefill
+the uncached prompt itself (at most `local_prefill_tokens`) or no prefill worker can take it.
+`route` / `mark_prefill_done` / `mark_finished` are the one-pool steps beneath (tests, benchmarks):
+a request id holds one placement per pool; mark_* apply to all of them unless a pool is named.
 A worker is busy when its active blocks reach `busy_kv_fraction` of its capacity or its pending prefill
 tokens reach `busy_prefill_tokens`; busy workers are skipped, and when all are, route raises Overloaded.
 """
@@ -24,7 +28,7 @@ from typing import Literal
 from router.hashing import block_hashes
 from router.indexer import KvIndexer, WorkerId
 from router.ingest import EventIngestor
-from router.load import LoadMetrics, LoadTracker
+from router.load import LoadKey, LoadTracker
 from router.policies import (
     CacheAwarePolicy,
     Candidate,
@@ -37,9 +41,8 @@ from router.policies import (
     TimePolicy,
 )
 from router.replica_sync import ReplicaSync
+from router.worker import LoadMetrics, Role
 
-Pool = Literal["prefill", "decode", "aggregated"]
-POOLS: tuple[str, ...] = ("prefill", "decode", "aggregated")
 PolicyName = Literal["time", "kv", "round_robin", "random", "least_loaded", "cache_aware"]
 POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
 
@@ -56,9 +59,13 @@ class Overloaded(RoutingError):
     """Every worker of the pool is over its busy threshold; the frontend answers 429/503."""
 
 
+class LayoutMismatch(ValueError):
+    """A worker whose KV blocks the router cannot index with the others' (another block size)."""
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    block_size: int = 16
+    block_size: int | None = None  # None: the block size the first worker registers with
     policy: PolicyName = "time"
     overlap_weight: float = 1.0
     temperature: float = 0.0
@@ -88,10 +95,41 @@ class RouterConfig:
 @dataclass(frozen=True)
 class RouteDecision:
     worker_id: WorkerId
-    pool: str
+    pool: Role
     overlap_blocks: int  # leading prompt blocks already cached on the chosen worker
     cached_tokens: int
     prompt_tokens: int
+
+
+class Placement:
+    """Where one request runs, and its life as the frontend reports it; the router's load follows."""
+
+    def __init__(self, router: KvRouter, request_id: str, routes: dict[Role, RouteDecision],
+                 prefill_refused: RoutingError | None = None) -> None:
+        self.request_id, self.routes, self._router = request_id, routes, router
+        self.prefill_refused = prefill_refused  # why no prefill worker took it, when one should have
+
+    @property
+    def decode(self) -> RouteDecision:
+        """The worker that streams the answer: a decode worker, or an aggregated one."""
+        return self.routes.get(Role.DECODE) or self.routes[Role.AGGREGATED]
+
+    @property
+    def prefill(self) -> RouteDecision | None:
+        """The worker that computes the prompt; None: `decode` does."""
+        return self.routes.get(Role.PREFILL)
+
+    def first_token(self, role: Role) -> None:
+        """That worker has computed the prompt: its pending prefill leaves its load."""
+        self._router.mark_prefill_done(self.request_id, role)
+
+    def failed(self, role: Role) -> None:
+        """That worker failed the request (the frontend goes on without it): its load leaves now."""
+        self._router.mark_finished(self.request_id, role)
+
+    def finished(self) -> None:
+        """Done, aborted or failed: every worker's predicted load for it leaves (again is harmless)."""
+        self._router.mark_finished(self.request_id)
 
 
 class KvRouter:
@@ -101,34 +139,71 @@ class KvRouter:
             raise ValueError(f"busy_kv_fraction must be in (0, 1], got {config.busy_kv_fraction}")
         self.policy = config.make_policy()
         self.indexer = KvIndexer(config.max_indexed_blocks)
-        self.ingestor = EventIngestor(self.indexer, config.block_size)
+        self.block_size: int | None = config.block_size  # every worker's; None until the first registers
+        self.ingestor = EventIngestor(self.indexer, config.block_size or 1)  # its block size: set with ours
         self.load = LoadTracker()
-        self._pool_of: dict[WorkerId, str] = {}
+        self._pool_of: dict[WorkerId, Role] = {}
         self._sync: ReplicaSync | None = None
 
     # -- workers -----------------------------------------------------------------------------------
-    def add_worker(self, worker_id: WorkerId, pool: Pool, capacity_blocks: int) -> None:
-        if pool not in POOLS:
-            raise ValueError(f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}")
+    def add_worker(self, worker_id: WorkerId, pool: Role | str, capacity_blocks: int,
+                   block_size: int | None = None) -> None:
+        """Raises LayoutMismatch for a worker whose block size is not the others' (its KV events and
+        prompts would hash to other blocks)."""
+        try:
+            role = Role(pool)
+        except ValueError:
+            raise ValueError(f"unknown pool {pool!r}; choose one of {', '.join(r.value for r in Role)}") from None
+        if block_size is None and self.block_size is None:
+            raise ValueError(f"worker {worker_id!r}: no block size, and the router has none yet")
+        if block_size is not None and block_size != (self.block_size or block_size):
+            raise LayoutMismatch(f"worker {worker_id!r} has KV block size {block_size}, the router {self.block_size}")
+        if block_size is not None and self.block_size is None:
+            self.block_size = self.ingestor.block_size = block_size
         self.load.add_worker(worker_id, capacity_blocks)
-        self._pool_of[worker_id] = pool
+        self._pool_of[worker_id] = role
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """The worker left (lease expired, died): forget its blocks and load."""
         self._pool_of.pop(worker_id, None)
         self.load.remove_worker(worker_id)
         self.ingestor.remove_worker(worker_id)
+        if not self._pool_of and self.config.block_size is None:  # the next workers may bring another size
+            self.block_size = None
 
-    def workers(self, pool: Pool) -> list[WorkerId]:
+    def workers(self, pool: Role | str) -> list[WorkerId]:
         return [w for w, p in self._pool_of.items() if p == pool]
 
     def attach_replica_sync(self, sync: ReplicaSync) -> None:
         self._sync = sync
 
     # -- requests ----------------------------------------------------------------------------------
+    def place(self, request_id: str, token_ids: Sequence[int], salt: str | None = None, *,
+              local_prefill_tokens: int = 0) -> Placement:
+        """The frontend's one question: which workers serve this request (the prompt hashed once)."""
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if self.block_size is None:
+            raise NoWorkers("no workers are registered")
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        if not self.workers(Role.DECODE):
+            return Placement(self, request_id, {Role.AGGREGATED: self.route(Role.AGGREGATED, request_id, token_ids,
+                                                                            hashes=hashes)})
+        remote = bool(self.workers(Role.PREFILL))
+        local = local_prefill_tokens > 0 or not remote  # only then does overlap on the decode worker matter
+        decode = self.route(Role.DECODE, request_id, token_ids, local_prefill=local, hashes=hashes)
+        routes = {Role.DECODE: decode}
+        if not remote or (local and len(token_ids) - decode.cached_tokens <= local_prefill_tokens):
+            return Placement(self, request_id, routes)
+        try:
+            routes[Role.PREFILL] = self.route(Role.PREFILL, request_id, token_ids, hashes=hashes)
+        except RoutingError as exc:
+            return Placement(self, request_id, routes, prefill_refused=exc)
+        return Placement(self, request_id, routes)
+
     def route(
         self,
-        pool: Pool,
+        pool: Role | str,
         request_id: str,
         token_ids: Sequence[int],
         salt: str | None = None,
@@ -137,22 +212,22 @@ class KvRouter:
     ) -> RouteDecision:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
+        if pool not in tuple(Role):
+            raise NoWorkers(f"unknown pool {pool!r}; choose one of {', '.join(r.value for r in Role)}")
+        pool = Role(pool)
         workers = self.workers(pool)
         if not workers:
-            raise NoWorkers(
-                f"no {pool} workers are registered"
-                if pool in POOLS
-                else f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}"
-            )
-        uses_overlap = pool != "decode" or local_prefill
+            raise NoWorkers(f"no {pool.value} workers are registered")
+        block_size = self.block_size
+        uses_overlap = pool is not Role.DECODE or local_prefill
         # one dict of every matched worker: cheaper than asking the Overlaps about each pool worker
         matches = (
             self.indexer.find_matches(
-                block_hashes(token_ids, self.config.block_size, salt) if hashes is None else hashes).to_dict()
+                block_hashes(token_ids, block_size, salt) if hashes is None else hashes).to_dict()
             if uses_overlap
             else {}
         )
-        request = RouteRequest(len(token_ids), self.config.block_size, prefill=uses_overlap)
+        request = RouteRequest(len(token_ids), block_size, prefill=uses_overlap)
         candidates = [
             Candidate(matches.get(w, 0), self.load.load(w), self.indexer.blocks_of(w), self.load.costs(w))
             for w in workers
@@ -160,22 +235,22 @@ class KvRouter:
         free = [c for c in candidates if not self._busy(c)]
         if not free:
             raise Overloaded(
-                f"all {len(candidates)} {pool} workers are busy (KV use >= "
+                f"all {len(candidates)} {pool.value} workers are busy (KV use >= "
                 f"{self.config.busy_kv_fraction:.0%} or pending prefill >= "
                 f"{self.config.busy_prefill_tokens or 'unlimited'} tokens)"
             )
         chosen = self.policy.choose(free, request)
         overlap = chosen.overlap_blocks
         prefill_tokens = max(0, len(token_ids) - overlap * request.block_size) if uses_overlap else 0
-        self._place(f"{pool}:{request_id}", chosen.worker_id, prefill_tokens, request.request_blocks)
+        self._place(LoadKey(request_id, pool), chosen.worker_id, prefill_tokens, request.request_blocks)
         return RouteDecision(chosen.worker_id, pool, overlap, overlap * request.block_size, len(token_ids))
 
-    def mark_prefill_done(self, request_id: str, pool: Pool | None = None) -> None:
+    def mark_prefill_done(self, request_id: str, pool: Role | str | None = None) -> None:
         for key in self._keys(request_id, pool):
             if self.load.prefill_done(key) and self._sync is not None:
                 self._sync.publish("prefill_done", key)
 
-    def mark_finished(self, request_id: str, pool: Pool | None = None) -> None:
+    def mark_finished(self, request_id: str, pool: Role | str | None = None) -> None:
         for key in self._keys(request_id, pool):
             if self.load.finish(key) and self._sync is not None:
                 self._sync.publish("finish", key)
@@ -191,10 +266,10 @@ class KvRouter:
             or 0 < cfg.busy_prefill_tokens <= c.load.prefill_tokens
         )
 
-    def _place(self, key: str, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
+    def _place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
         self.load.place(key, worker_id, prefill_tokens, blocks)
         if self._sync is not None:
             self._sync.publish("place", key, worker_id, prefill_tokens, blocks)
 
-    def _keys(self, request_id: str, pool: Pool | None) -> list[str]:
-        return [f"{p}:{request_id}" for p in ((pool,) if pool else POOLS)]
+    def _keys(self, request_id: str, pool: Role | str | None) -> list[LoadKey]:
+        return [LoadKey(request_id, Role(p)) for p in ((pool,) if pool else Role)]

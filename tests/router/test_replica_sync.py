@@ -6,7 +6,9 @@ import asyncio
 from msgspec import msgpack
 
 from router.replica_sync import LoadUpdate, ReplicaSync
+from router.load import LoadKey
 from router.service import KvRouter, RouterConfig
+from router.worker import Role
 
 PROMPT = list(range(64))
 
@@ -29,7 +31,7 @@ async def eventually(predicate, timeout=5.0):
 async def linked(sender, receiver):
     """ZMQ drops what a PUB sends before the peer's subscription forms: probe until one arrives."""
     for _ in range(200):
-        sender.publish("finish", "probe")  # finishing an unknown request changes no load
+        sender.publish("finish", LoadKey("probe", Role.PREFILL))  # finishing an unknown request changes no load
         await asyncio.sleep(0.05)
         if receiver.applied:
             return
@@ -75,13 +77,13 @@ async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
     sent: list[bytes] = []
     sync = ReplicaSync(a.load, "a", send=sent.append, placement_ttl_s=60)
     for key in ("r1", "r2"):
-        sync.apply(msgpack.encode(LoadUpdate("b", "place", key, "w0", 64, 4)))
-    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "r2")))
+        sync.apply(msgpack.encode(LoadUpdate("b", "place", f"prefill:{key}", "w0", 64, 4)))
+    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "prefill:r2")))
     assert a.load.load("w0").requests == 1
     now[0] += 59
-    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "unknown")))
+    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "prefill:unknown")))
     assert a.load.load("w0").requests == 1 and sync.expired == 0
     now[0] += 2
-    sync.publish("finish", "local")
+    sync.publish("finish", LoadKey("local", Role.PREFILL))
     assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
-    assert msgpack.decode(sent[0]) == ["a", "finish", "local", "", 0, 0]
+    assert msgpack.decode(sent[0]) == ["a", "finish", "prefill:local", "", 0, 0]
