@@ -42,6 +42,8 @@ class Metrics:
         self.fallbacks = Counter(
             "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
         )
+        self.workers_refused = Counter("dynamo_pd_workers_refused", "Workers registered that the frontend cannot "
+                                       "serve (model, KV block size)", ["reason"], registry=r)
 
     def record_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
