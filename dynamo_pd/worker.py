@@ -214,6 +214,10 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
     add_security_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
+    try:
+        args.advertise_host = advertise_host(args.host, args.advertise_host, args.discovery)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return WorkerConfig(
         engine=args.engine, engine_config=engine_config(args, role, passthrough), discovery=args.discovery,
         namespace=check_namespace(args.namespace),

@@ -19,8 +19,11 @@ Request plane (streaming RPC over ZMQ, cancellation both ways, typed errors):
     server = RpcServer(handler); await server.start()   # handler(payload, context) -> AsyncIterator[bytes]
     async for chunk in RpcClient().stream(server.endpoint, payload, RequestContext(rid)): ...
 
-Everything binds 127.0.0.1 unless given another address, and every wait is bounded. Run the
-process under uvloop: `uvloop.run(main())`.
+Everything binds 127.0.0.1 unless given another address (a server bound on 0.0.0.0 advertises
+`advertise_host`, see ports.py), and every wait is bounded. Security (security.py): an optional cluster
+secret makes every ZMQ socket CURVE and refuses peers without it; every ZMQ socket has a size limit;
+NATS and etcd take credentials and TLS. `configure(Security(...))` once per process sets the default every
+constructor here takes (`security=` overrides it). Run the process under uvloop: `uvloop.run(main())`.
 """
 
 from dynamo_pd.runtime.context import RequestContext

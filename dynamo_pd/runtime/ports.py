@@ -29,9 +29,13 @@ def advertise_host(host: str, advertise: str = "", toward: str = "") -> str:
     target = urlsplit(toward).hostname if toward else None
     if not target or target in WILDCARDS:
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((target, 9))  # UDP: nothing is sent, the kernel only picks the route and source address
-        return s.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # UDP: nothing is sent, the kernel only picks the route and source address
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise ValueError(f"no route from this host to {target} to find the address to advertise "
+                         f"({exc.strerror}): pass --advertise-host") from None
 
 
 def advertised(endpoint: str, host: str) -> str:
