@@ -85,7 +85,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
     discovery = args.etcd or f"tcp://127.0.0.1:{args.discovery_port}"
     plane = ["--namespace", args.namespace] + (["--events", args.nats] if args.nats else [])
     frontend = [sys.executable, "-m", "dynamo_pd.frontend", "--host", args.host, "--port", str(args.port),
-                "--discovery", discovery, "--block-size", str(args.block_size), *plane]
+                "--discovery", discovery, *plane]
     if args.model:
         frontend += ["--model", args.model]
     if args.api_key:

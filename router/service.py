@@ -174,6 +174,10 @@ class KvRouter:
     def workers(self, pool: Role | str) -> list[WorkerId]:
         return [w for w, p in self._pool_of.items() if p == pool]
 
+    def indexed_blocks(self, worker_id: WorkerId) -> int:
+        """The worker's blocks the indexer holds."""
+        return self.indexer.blocks_of(worker_id)
+
     def attach_replica_sync(self, sync: ReplicaSync) -> None:
         self._sync = sync
 

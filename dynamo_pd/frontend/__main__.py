@@ -38,7 +38,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--events", default=None, help="nats://HOST:PORT (default: ZMQ)")
     add_api_key_args(p)
-    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size, for routing")
     add_frontend_args(p)
     add_security_args(p)
     args = p.parse_args(argv)
@@ -68,7 +67,7 @@ async def run(args: argparse.Namespace) -> None:
     events = await connect_event_plane(args.events, discovery, host=args.host,
                                        advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
     metrics = Metrics()
-    router = KvRouter(RouterConfig(block_size=args.block_size, policy=args.router_policy,
+    router = KvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
                                    overlap_weight=args.overlap_weight, temperature=args.router_temperature,
                                    busy_kv_fraction=args.busy_kv_fraction))
     backend = RemoteBackend(args.model or DEFAULT_MODEL, tokenizer, context_len, discovery, events, router, metrics,

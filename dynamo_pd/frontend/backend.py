@@ -1,11 +1,10 @@
 """RemoteBackend: the frontend's view of the deployment: discovery -> router -> workers over RPC.
 
 Disaggregated path of one request:
-  1. route to a decode worker by load (and by overlap, when it may prefill locally);
-     if the uncached part of the prompt is at most `local_prefill_tokens`, the decode worker
-     prefills it itself (conditional disaggregation);
-  2. otherwise route to a prefill worker by overlap and load; it returns the first token, which
-     goes to the client at once;
+  1. the router places it (router.service.Placement): a decode worker by load (and by overlap, when
+     it may prefill locally), and a prefill worker by overlap and load unless the uncached part of
+     the prompt is at most `local_prefill_tokens` (the decode worker prefills it itself);
+  2. the prefill worker returns the first token, which goes to the client at once;
   3. what the prefill worker registered decides the rest (dynamo_pd.handoff), never its engine's name:
      no offer (pull-like): the first output's hand-off (a PullHandoff, or an engine's own) goes to
            the decode worker with the request; it loads the KV and streams the rest;
@@ -15,7 +14,10 @@ Disaggregated path of one request:
      The client gets the prefill's first token, or the decode side's when the hand-off says the
      decode side samples it again (`first_token_from_decode`, vLLM).
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
-(counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured.
+(counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured. The placement hears
+each worker's first token, a failed prefill and the end, so the router's load follows the request.
+Workers register their KV block size; the first one sets the router's, and a worker with another
+is refused (an ERROR line, dynamo_pd_workers_refused{reason="block_size"}).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from dynamo_pd.handoff import together_timeouts
 from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
-from router.hashing import block_hashes
-from router.service import KvRouter, NoWorkers, Overloaded
+from router.service import KvRouter, LayoutMismatch, Placement, RoutingError
+from router.worker import Role
 
 log = logging.getLogger("dynamo_pd.frontend")
 
@@ -67,7 +69,7 @@ class RemoteBackend:
         self._load_subject = f"{namespace}.load"
         self.workers: dict[str, WorkerInfo] = {}
         self.rpc = RpcClient(inter_response_timeout_s=self.config.inter_token_timeout_s)
-        self._hashes: dict[str, list[int]] = {}  # request id -> its prompt's block hashes, for every pool
+        self._refused: set[str] = set()  # registered workers this frontend cannot serve, refused once
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
         self.kv_events = KvEventFollower(router.ingestor, events)
         self._tasks: list[asyncio.Task] = []
@@ -88,15 +90,12 @@ class RemoteBackend:
         lengths = [w.max_model_len for w in self.workers.values() if w.max_model_len]
         return min(lengths, default=self._max_model_len)
 
-    def _pool(self, role: str) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.role == role]
-
     def ready(self) -> bool:
-        return bool(self._pool("decode") or self._pool("aggregated"))
+        return any(w.role is not Role.PREFILL for w in self.workers.values())
 
     def refresh_metrics(self) -> None:
         for worker_id in self.workers:
-            self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexer.blocks_of(worker_id))
+            self.metrics.indexed_blocks.labels(worker_id).set(self.router.indexed_blocks(worker_id))
         self.metrics.replica_updates.set(self.replicas.applied)
         self.metrics.replica_expired.set(self.replicas.expired)
         self.metrics.rpc_connections.set(self.rpc.num_connections)
@@ -115,6 +114,7 @@ class RemoteBackend:
     async def _follow_workers(self) -> None:
         async for kind, info in self.discovery.watch():
             if kind == "removed":
+                self._refused.discard(info.worker_id)
                 if (left := self.workers.pop(info.worker_id, None)) is not None:
                     self.rpc.release(left.rpc_endpoint)
                     self.kv_events.forget(info.worker_id)
@@ -122,22 +122,30 @@ class RemoteBackend:
                     self.metrics.forget_worker(info.worker_id)
                     log.info("worker %s left", info.worker_id)
                 continue
+            if info.worker_id in self.workers or info.worker_id in self._refused:
+                continue
             if info.model != self.model_name:
-                log.warning("ignoring worker %s: it serves %r, not %r", info.worker_id, info.model, self.model_name)
+                self._refuse(info, "model", f"it serves {info.model!r}, not {self.model_name!r}")
                 continue
-            if info.block_size != self.router.config.block_size:  # its KV events would hash differently
-                log.warning("ignoring worker %s: its KV block size is %d, the router's --block-size is %d",
-                            info.worker_id, info.block_size, self.router.config.block_size)
+            try:
+                self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30,
+                                       block_size=info.block_size)
+            except LayoutMismatch:  # its KV events and prompts would hash to other blocks than the pool's
+                self._refuse(info, "block_size", f"its KV block size is {info.block_size}, the pool's is "
+                                                 f"{self.router.block_size}; start it with --block-size "
+                                                 f"{self.router.block_size}")
                 continue
-            if info.worker_id in self.workers:
-                continue
-            self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30)
             try:
                 await self.kv_events.follow(info)
             except Exception:  # noqa: BLE001 - the worker still serves; routing just lacks its cache view
                 log.exception("could not follow KV events of %s", info.worker_id)
             self.workers[info.worker_id] = info
             log.info("worker %s joined (%s, %s)", info.worker_id, info.role, info.engine)
+
+    def _refuse(self, info: WorkerInfo, reason: str, why: str) -> None:
+        self._refused.add(info.worker_id)
+        self.metrics.workers_refused.labels(reason).inc()
+        log.error("refusing worker %s (%s, %s): %s", info.worker_id, info.role.value, info.engine, why)
 
     async def _follow_load(self) -> None:
         async with await self.events.subscribe(self._load_subject) as sub:
@@ -151,32 +159,28 @@ class RemoteBackend:
 
     # ---- requests
 
-    def _route(self, pool: str, request: EngineRequest, local_prefill: bool = False):
-        rid = request.request_id
-        if (hashes := self._hashes.get(rid)) is None:  # hashed once, whichever pools the request is routed to
-            hashes = self._hashes[rid] = block_hashes(request.prompt_token_ids, self.router.config.block_size,
-                                                      request.cache_salt)
-        try:
-            return self.router.route(pool, rid, request.prompt_token_ids, request.cache_salt,
-                                     local_prefill=local_prefill, hashes=hashes)
-        except (Overloaded, NoWorkers) as exc:
-            raise OverloadedError(str(exc)) from exc
-
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        rid = request.request_id
         try:
-            if self._pool("decode"):
-                stream = self._disaggregated(request, context)
+            placement = self.router.place(request.request_id, request.prompt_token_ids, request.cache_salt,
+                                          local_prefill_tokens=self.config.local_prefill_tokens)
+        except RoutingError as exc:
+            raise OverloadedError(str(exc)) from exc
+        try:
+            decode = placement.decode
+            if placement.prefill_refused is not None:  # every prefill worker busy: prefill locally, or fail
+                stream = self._fallback(placement, request, context, None, "prefill_failed", placement.prefill_refused)
+            elif placement.prefill is None:
+                stream = self._stream(placement, decode.pool, request, context)
             else:
-                stream = self._stream(self._route("aggregated", request).worker_id, request, context, "aggregated")
+                stream = self._disaggregated(placement, request, context)
             async for out in stream:
                 yield out
         finally:
-            self._hashes.pop(rid, None)
-            self.router.mark_finished(rid)
+            placement.finished()
 
-    async def _stream(self, worker_id: str, request: EngineRequest, context: RequestContext,
-                      pool: str, first_response_timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
+    async def _stream(self, placement: Placement, role: Role, request: EngineRequest, context: RequestContext,
+                      first_response_timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
+        worker_id = placement.routes[role].worker_id
         worker = self.workers.get(worker_id)
         if worker is None:
             raise OverloadedError(f"worker {worker_id} left before the request reached it")
@@ -188,25 +192,17 @@ class RemoteBackend:
                 self.metrics.transfer_bytes.inc(out.transfer.nbytes)
                 self.metrics.transfer_seconds.observe(out.transfer.seconds)
             if first and out.token_ids:
-                self.router.mark_prefill_done(request.request_id, pool)
+                placement.first_token(role)
                 first = False
             yield out
 
-    async def _disaggregated(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        # Overlap on the decode worker matters only when it may prefill locally; otherwise routing
-        # by overlap would also book the whole prompt's prefill on it until its first token.
-        local_prefill = self.config.local_prefill_tokens > 0 or not self._pool("prefill")
-        decode = self._route("decode", request, local_prefill=local_prefill)
-        if not self._pool("prefill") or (
-                local_prefill and len(request.prompt_token_ids) - decode.cached_tokens <= self.config.local_prefill_tokens):
-            async for out in self._stream(decode.worker_id, request, context, "decode"):
-                yield out
-            return
+    async def _disaggregated(self, placement: Placement, request: EngineRequest,
+                             context: RequestContext) -> AsyncIterator[EngineOutput]:
+        prefill = self.workers.get(placement.prefill.worker_id)
         prefill_context = RequestContext(request.request_id)
         prefill_stream = decode_stream = decode_started = None
         try:
             try:
-                prefill = self.workers.get(self._route("prefill", request).worker_id)
                 if prefill is None:
                     raise OverloadedError("the chosen prefill worker left before the request reached it")
                 to_prefill = request
@@ -215,20 +211,20 @@ class RemoteBackend:
                     offered = prefill.handoff_offer.for_request(request.request_id, len(request.prompt_token_ids),
                                                                 wait_s)
                     to_prefill = msgspec.structs.replace(request, handoff=offered)
-                    decode_stream = self._stream(decode.worker_id, to_prefill, context, "decode",
-                                                 first_response_timeout_s=decode_first_s)
+                    decode_stream = self._stream(placement, Role.DECODE, to_prefill, context, decode_first_s)
                     decode_started = asyncio.ensure_future(anext(decode_stream))
-                prefill_stream = self._stream(prefill.worker_id, to_prefill, prefill_context, "prefill")
+                prefill_stream = self._stream(placement, Role.PREFILL, to_prefill, prefill_context)
                 first = await anext(prefill_stream)
                 if first.handoff is None and first.finish_reason not in ("stop", "length"):
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
             except (RpcError, RuntimeError, StopAsyncIteration, OverloadedError) as exc:
+                placement.failed(Role.PREFILL)
                 if decode_stream is not None:  # the decode worker frees what it reserved
                     await cancel_and_wait([decode_started])
                     await decode_stream.aclose()
                     # it may not have ended the reserving request yet: prefill locally under a new id
                     request = msgspec.structs.replace(request, request_id=f"{request.request_id}-local")
-                async for out in self._fallback(decode.worker_id, request, context, None, "prefill_failed", exc):
+                async for out in self._fallback(placement, request, context, None, "prefill_failed", exc):
                     yield out
                 return
             if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
@@ -239,13 +235,13 @@ class RemoteBackend:
                 yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
             if decode_stream is None:
                 remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
-                decode_stream = self._stream(decode.worker_id, remote, context, "decode")
+                decode_stream = self._stream(placement, Role.DECODE, remote, context)
             try:
                 async for out in self._decode_after_handoff(decode_stream, first, decode_started, resampled):
                     yield out
             except KVLoadFailedError as exc:
                 sent = None if resampled else first
-                async for out in self._fallback(decode.worker_id, request, context, sent, "transfer_failed", exc):
+                async for out in self._fallback(placement, request, context, sent, "transfer_failed", exc):
                     yield out
         finally:
             prefill_context.cancel()  # frees the prefill's held blocks if the decode side never read them
@@ -281,7 +277,7 @@ class RemoteBackend:
             if out.token_ids or out.text or out.finish_reason:
                 yield out
 
-    async def _fallback(self, worker_id: str, request: EngineRequest, context: RequestContext,
+    async def _fallback(self, placement: Placement, request: EngineRequest, context: RequestContext,
                         first: EngineOutput | None, reason: str, exc: Exception) -> AsyncIterator[EngineOutput]:
         """Prefill on the decode worker instead; after a first token the client has, the decode engine
         prefills the prompt and continues from that token (echoing it, as after a hand-off)."""
@@ -291,7 +287,7 @@ class RemoteBackend:
         self.metrics.fallbacks.labels(reason).inc()
         echo_pending = first is not None
         local = msgspec.structs.replace(request, first_token_id=first.token_ids[0]) if echo_pending else request
-        async for out in self._stream(worker_id, local, context, "decode"):
+        async for out in self._stream(placement, Role.DECODE, local, context):
             if echo_pending and out.token_ids:
                 echo_pending, out = False, _drop_echo(out)
             if out.token_ids or out.text or out.finish_reason:
