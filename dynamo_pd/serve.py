@@ -29,8 +29,11 @@ from pathlib import Path
 from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_frontend_args, add_kv_args,
                            check_frontend_args, check_namespace, engine_config, frontend_argv,
                            parse_passthrough)
+from dynamo_pd.credentials import (API_KEY_ENV, add_api_key_args, add_security_args, api_key_from_args,
+                                   security_argv, security_from_args)
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
+from dynamo_pd.runtime.security import configure
 
 _READY_TIMEOUT_S = 600.0
 _STOP_GRACE_S = 10.0
@@ -49,7 +52,8 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--nats", default=None, help="nats://HOST:PORT for the event plane instead of ZMQ")
     add_kv_args(p)
-    p.add_argument("--api-key", default=None, help="require this Bearer key on the HTTP API")
+    add_api_key_args(p)
+    add_security_args(p)
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each worker to its own equal share of this process's cores (benchmarks: every "
                         "configuration of N workers gets the same compute); mocker workers are not pinned")
@@ -74,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error(f"--aggregated must be >= 1, got {args.aggregated}")
     check_namespace(args.namespace)
     check_frontend_args(p, args)
+    args.api_key = api_key_from_args(args)  # to the frontend in its environment, never in its argv
+    args.security = security_from_args(args)
     engine_config(args, EngineRole.AGGREGATED, passthrough)  # validates engine flags before anything starts
     args.memory_fraction = parse_passthrough(passthrough).get("gpu_memory_utilization")
     _, engine_argv = _serve_parser(add_help=False).parse_known_args(argv)
@@ -83,13 +89,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[list[str]]]:
     """The discovery URL and the command line of every child: frontend first, then workers."""
     discovery = args.etcd or f"tcp://127.0.0.1:{args.discovery_port}"
-    plane = ["--namespace", args.namespace] + (["--events", args.nats] if args.nats else [])
+    plane = ["--namespace", args.namespace, *(["--events", args.nats] if args.nats else []), *security_argv(args)]
     frontend = [sys.executable, "-m", "dynamo_pd.frontend", "--host", args.host, "--port", str(args.port),
                 "--discovery", discovery, *plane]
     if args.model:
         frontend += ["--model", args.model]
-    if args.api_key:
-        frontend += ["--api-key", args.api_key]
     frontend += frontend_argv(args)
     roles = [("aggregated", args.aggregated)] if args.aggregated else [("prefill", args.prefill), ("decode", args.decode)]
     count = sum(n for _, n in roles)
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_fraction:
         print(f"dynamo-pd: {worker_count(args)} workers share --gpu-memory-utilization {args.memory_fraction}",
               flush=True)
-    env = dict(os.environ)
+    env = dict(os.environ, **({API_KEY_ENV: args.api_key} if args.api_key else {}))
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(commands) - 1))))
     pins: list[list[int] | None] = [None] * len(commands)
@@ -253,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                 children.append(subprocess.Popen(
                     command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                     preexec_fn=None if cores is None else lambda cores=cores: os.sched_setaffinity(0, cores)))
+        configure(args.security)  # _wait_ready reads discovery
         asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
