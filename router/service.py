@@ -4,7 +4,7 @@
     router.add_worker("p0", Role.PREFILL, capacity_blocks=4096, block_size=16)  # its KV events: router.ingestor
     placement = router.place(request_id, token_ids, local_prefill_tokens=0)   # Placement, or Overloaded
     placement.decode, placement.prefill     # where it runs: RouteDecisions (prefill None: decode prefills)
-    placement.first_token(Role.PREFILL)     # its life: a worker's first token, a worker's failure, the end
+    placement.first_token()                 # its life: the first token, a worker's failure, the end
     placement.failed(Role.PREFILL); placement.finished()
     router.update_load_metrics(LoadMetrics(...))
 
@@ -119,9 +119,9 @@ class Placement:
         """The worker that computes the prompt; None: `decode` does."""
         return self.routes.get(Role.PREFILL)
 
-    def first_token(self, role: Role) -> None:
-        """That worker has computed the prompt: its pending prefill leaves its load."""
-        self._router.mark_prefill_done(self.request_id, role)
+    def first_token(self) -> None:
+        """The client has its first token: the prompt is computed, and its pending prefill leaves the load."""
+        self._router.mark_prefill_done(self.request_id)
 
     def failed(self, role: Role) -> None:
         """That worker failed the request (the frontend goes on without it): its load leaves now."""

@@ -15,7 +15,7 @@ Disaggregated path of one request:
      decode side samples it again (`first_token_from_decode`, vLLM).
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
 (counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured. The placement hears
-each worker's first token, a failed prefill and the end, so the router's load follows the request.
+the client's first token, a failed prefill and the end, so the router's load follows the request.
 Workers register their KV block size; the first one sets the router's, and a worker with another
 is refused (an ERROR line, dynamo_pd_workers_refused{reason="block_size"}).
 """
@@ -173,7 +173,11 @@ class RemoteBackend:
                 stream = self._stream(placement, decode.pool, request, context)
             else:
                 stream = self._disaggregated(placement, request, context)
+            first = True
             async for out in stream:
+                if first and out.token_ids:
+                    placement.first_token()
+                    first = False
                 yield out
         finally:
             placement.finished()
@@ -184,16 +188,12 @@ class RemoteBackend:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise OverloadedError(f"worker {worker_id} left before the request reached it")
-        first = True
         async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
                                            first_response_timeout_s=first_response_timeout_s):
             out = _output_decoder.decode(chunk)
             if out.transfer is not None:
                 self.metrics.transfer_bytes.inc(out.transfer.nbytes)
                 self.metrics.transfer_seconds.observe(out.transfer.seconds)
-            if first and out.token_ids:
-                placement.first_token(role)
-                first = False
             yield out
 
     async def _disaggregated(self, placement: Placement, request: EngineRequest,

@@ -28,7 +28,7 @@ def test_without_decode_workers_an_aggregated_worker_serves_it_all():
     placement = router.place("r", PROMPT)
     assert placement.decode.pool is Role.AGGREGATED and placement.prefill is None
     assert load(router, "a0") == (len(PROMPT), 10, 1)
-    placement.first_token(Role.AGGREGATED)
+    placement.first_token()
     assert load(router, "a0") == (0, 10, 1)
     placement.finished()
     assert load(router, "a0") == (0, 0, 0)
@@ -39,7 +39,7 @@ def test_a_disaggregated_placement_books_the_prompt_on_prefill_and_the_blocks_on
     placement = router.place("r", PROMPT)
     assert (placement.decode.worker_id, placement.prefill.worker_id) == ("d0", "p0")
     assert load(router, "p0") == (len(PROMPT), 10, 1) and load(router, "d0") == (0, 10, 1)  # KV arrives by transfer
-    placement.first_token(Role.PREFILL)
+    placement.first_token()
     assert load(router, "p0") == (0, 10, 1)
     placement.failed(Role.DECODE)  # one worker's failure frees only its load
     assert load(router, "d0") == (0, 0, 0) and load(router, "p0") == (0, 10, 1)
