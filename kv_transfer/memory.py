@@ -210,8 +210,8 @@ class BlobPool:
             self._free.extend(block_ids)
 
     def write(self, block_ids: Sequence[int], data: bytes | memoryview) -> None:
-        """Store `data` (with its length) in `block_ids`, which must be exactly enough blocks."""
-        if len(block_ids) != self.blocks_for(len(data)):
+        """Store `data` (with its length) in `block_ids`, at least enough blocks (the rest are zeroed)."""
+        if len(block_ids) < self.blocks_for(len(data)):
             raise ValueError(f"{len(data)} bytes need {self.blocks_for(len(data))} blocks, got {len(block_ids)}")
         packed = np.zeros(len(block_ids) * self.block_bytes, dtype=np.uint8)
         packed[: self.HEADER] = np.frombuffer(len(data).to_bytes(self.HEADER, "little"), dtype=np.uint8)

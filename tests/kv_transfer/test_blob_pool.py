@@ -18,6 +18,10 @@ def test_blobs_round_trip_through_scattered_blocks():
         pool.write(scattered, data)
         assert pool.read(scattered) == data
         pool.free(ids)
+    spare = pool.allocate(4)  # more blocks than the blob needs
+    pool.write(spare, b"short")
+    assert pool.read(spare) == b"short"
+    pool.free(spare)
     assert pool.num_free == 16
 
 
