@@ -65,6 +65,7 @@ class WorkerConfig:
     advertise_host: str = ""  # and registers this address ("": host, or the route to discovery for a wildcard)
     security: Security = field(default_factory=Security)  # the cluster secret's CURVE keys, NATS / etcd credentials
     worker_id: str = ""
+    served_model_name: str = ""  # the model's name for clients ("": --model, or the default model's name)
     load_interval_s: float = 0.5
 
 
@@ -104,8 +105,8 @@ class Worker:
         await self.handoff.start(engine, model_name)
         self._closers.insert(0, self.handoff.close)
         info = self.handoff.register(WorkerInfo(
-            worker_id=self.worker_id, role=self.role, engine=cfg.engine, model=model_name,
-            rpc_endpoint="", block_size=cfg.engine_config.block_size,
+            worker_id=self.worker_id, role=self.role, engine=cfg.engine, model=cfg.served_model_name or model_name,
+            model_path=cfg.engine_config.model or "", rpc_endpoint="", block_size=cfg.engine_config.block_size,
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
         ))
@@ -211,6 +212,8 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
                         help="address peers reach this worker at (default: --host, or for 0.0.0.0 this host's "
                              "address on the route to discovery)")
     parser.add_argument("--worker-id", default="")
+    parser.add_argument("--served-model-name", default="",
+                        help="the name clients ask for this model by (default: --model)")
     add_security_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
@@ -223,6 +226,7 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
         namespace=check_namespace(args.namespace),
         events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
         advertise_host=args.advertise_host, security=security_from_args(args), worker_id=args.worker_id,
+        served_model_name=args.served_model_name,
     )
 
 
