@@ -7,16 +7,24 @@ Prediction follows each request the router (or a replica, through router.replica
 Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
 freed early, output growth). At each report the difference report - prediction becomes the worker's
 offset, added to the prediction until the next report, so load placed after the report still counts.
+A worker whose reports stop (it hangs, or the event plane is down) keeps its offset for
+`HOLD_INTERVALS` report intervals (the gap between its last two reports), then the offset fades
+linearly to 0 over `FADE_INTERVALS` more: a near-full worker gone quiet does not look busy forever.
 A report also carries the worker's measured step costs (StepCosts), which the `time` policy predicts with.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.indexer import WorkerId
 from router.worker import LoadMetrics, Role
+
+HOLD_INTERVALS = 2.0
+FADE_INTERVALS = 3.0
 
 
 class LoadKey(NamedTuple):
@@ -65,10 +73,16 @@ class _Worker:
     blocks_offset: int = 0
     requests_offset: int = 0
     costs: StepCosts = StepCosts()
+    reported_at: float | None = None  # clock time of the last report
+    report_interval_s: float = 0.0  # gap between the last two reports (0: one report or none yet)
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    def __init__(self, *, default_report_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`default_report_interval_s`: assumed until a worker has reported twice."""
+        self._default_interval_s = default_report_interval_s
+        self._clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
         self._placements: dict[LoadKey, _Placement] = {}
 
@@ -119,6 +133,10 @@ class LoadTracker:
 
     def report(self, metrics: LoadMetrics) -> None:
         worker = self._worker(metrics.worker_id)
+        now = self._clock()
+        if worker.reported_at is not None:
+            worker.report_interval_s = now - worker.reported_at
+        worker.reported_at = now
         worker.capacity_blocks = metrics.num_total_blocks or worker.capacity_blocks
         worker.prefill_offset = metrics.active_prefill_tokens - worker.prefill_tokens
         worker.blocks_offset = metrics.num_total_blocks - metrics.num_free_blocks - worker.blocks
@@ -128,10 +146,11 @@ class LoadTracker:
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         w = self._worker(worker_id)
+        weight = self._offset_weight(w)
         prefill, blocks, requests = (
-            w.prefill_tokens + w.prefill_offset,
-            w.blocks + w.blocks_offset,
-            w.requests + w.requests_offset,
+            w.prefill_tokens + round(w.prefill_offset * weight),
+            w.blocks + round(w.blocks_offset * weight),
+            w.requests + round(w.requests_offset * weight),
         )
         return WorkerLoad(
             worker_id,
@@ -140,6 +159,14 @@ class LoadTracker:
             requests if requests > 0 else 0,
             w.capacity_blocks,
         )
+
+    def _offset_weight(self, w: _Worker) -> float:
+        """1 while the worker reports; fading to 0 once its reports are overdue."""
+        if w.reported_at is None:
+            return 1.0
+        interval = w.report_interval_s or self._default_interval_s
+        overdue = (self._clock() - w.reported_at) / interval - HOLD_INTERVALS
+        return 1.0 if overdue <= 0 else max(0.0, 1.0 - overdue / FADE_INTERVALS)
 
     def costs(self, worker_id: WorkerId) -> StepCosts:
         return self._worker(worker_id).costs
