@@ -32,11 +32,13 @@ from typing import Any, Literal
 import msgspec
 
 from dynamo_pd.frontend.kv_events import KvEventFollower
+from dynamo_pd.frontend.membership import Membership
 from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
+from dynamo_pd.frontend.resubscribe import follow_subject
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.handoff import together_timeouts
 from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
-from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError, EventPlane, RequestContext, RpcClient, RpcError
+from dynamo_pd.runtime import Discovery, EventPlane, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.service import KvRouter, LayoutMismatch, Placement, RoutingError
 from router.worker import Role
@@ -72,6 +74,7 @@ class RemoteBackend:
         self._refused: set[str] = set()  # registered workers this frontend cannot serve, refused once
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
         self.kv_events = KvEventFollower(router.ingestor, events)
+        self.membership = Membership(discovery, self._joined, self._left)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -103,44 +106,35 @@ class RemoteBackend:
     # ---- membership
 
     async def _watch_workers(self) -> None:
-        """Follow discovery for good: an outage long enough to end a watch starts a new one."""
-        while True:
-            try:
-                await self._follow_workers()
-            except DiscoveryUnavailableError as exc:
-                log.error("discovery unavailable (%s); retrying", exc)
-                await asyncio.sleep(1.0)
+        await self.membership.run()  # for good: removals and changed registrations across outages too
 
-    async def _follow_workers(self) -> None:
-        async for kind, info in self.discovery.watch():
-            if kind == "removed":
-                self._refused.discard(info.worker_id)
-                if (left := self.workers.pop(info.worker_id, None)) is not None:
-                    self.rpc.release(left.rpc_endpoint)
-                    self.kv_events.forget(info.worker_id)
-                    self.router.remove_worker(info.worker_id)
-                    self.metrics.forget_worker(info.worker_id)
-                    log.info("worker %s left", info.worker_id)
-                continue
-            if info.worker_id in self.workers or info.worker_id in self._refused:
-                continue
-            if info.model != self.model_name:
-                self._refuse(info, "model", f"it serves {info.model!r}, not {self.model_name!r}")
-                continue
-            try:
-                self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30,
-                                       block_size=info.block_size)
-            except LayoutMismatch:  # its KV events and prompts would hash to other blocks than the pool's
-                self._refuse(info, "block_size", f"its KV block size is {info.block_size}, the pool's is "
-                                                 f"{self.router.block_size}; start it with --block-size "
-                                                 f"{self.router.block_size}")
-                continue
-            try:
-                await self.kv_events.follow(info)
-            except Exception:  # noqa: BLE001 - the worker still serves; routing just lacks its cache view
-                log.exception("could not follow KV events of %s", info.worker_id)
-            self.workers[info.worker_id] = info
-            log.info("worker %s joined (%s, %s)", info.worker_id, info.role, info.engine)
+    def _left(self, info: WorkerInfo) -> None:
+        self._refused.discard(info.worker_id)
+        if (left := self.workers.pop(info.worker_id, None)) is not None:
+            self.rpc.release(left.rpc_endpoint)
+            self.kv_events.forget(info.worker_id)
+            self.router.remove_worker(info.worker_id)
+            self.metrics.forget_worker(info.worker_id)
+            log.info("worker %s left", info.worker_id)
+
+    async def _joined(self, info: WorkerInfo) -> None:
+        if info.model != self.model_name:
+            self._refuse(info, "model", f"it serves {info.model!r}, not {self.model_name!r}")
+            return
+        try:
+            self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30,
+                                   block_size=info.block_size)
+        except LayoutMismatch:  # its KV events and prompts would hash to other blocks than the pool's
+            self._refuse(info, "block_size", f"its KV block size is {info.block_size}, the pool's is "
+                                             f"{self.router.block_size}; start it with --block-size "
+                                             f"{self.router.block_size}")
+            return
+        try:
+            await self.kv_events.follow(info)
+        except Exception:  # noqa: BLE001 - the worker still serves; routing just lacks its cache view
+            log.exception("could not follow KV events of %s", info.worker_id)
+        self.workers[info.worker_id] = info
+        log.info("worker %s joined (%s, %s)", info.worker_id, info.role, info.engine)
 
     def _refuse(self, info: WorkerInfo, reason: str, why: str) -> None:
         self._refused.add(info.worker_id)
@@ -148,14 +142,15 @@ class RemoteBackend:
         log.error("refusing worker %s (%s, %s): %s", info.worker_id, info.role.value, info.engine, why)
 
     async def _follow_load(self) -> None:
-        async with await self.events.subscribe(self._load_subject) as sub:
-            async for _subject, payload in sub:
-                with contextlib.suppress(msgspec.DecodeError):
-                    load = _load_decoder.decode(payload)
-                    if load.worker_id in self.workers:
-                        self.router.update_load_metrics(load)
-                        self.metrics.record_load(load.worker_id, load.num_running, load.num_free_blocks,
-                                                 load.num_total_blocks)
+        await follow_subject(self.events, self._load_subject, self._on_load)
+
+    def _on_load(self, _subject: str, payload: bytes) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            load = _load_decoder.decode(payload)
+            if load.worker_id in self.workers:
+                self.router.update_load_metrics(load)
+                self.metrics.record_load(load.worker_id, load.num_running, load.num_free_blocks,
+                                         load.num_total_blocks)
 
     # ---- requests
 

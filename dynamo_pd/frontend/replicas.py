@@ -5,6 +5,7 @@ next load report, and could both pick the same idle worker. Each frontend's rout
 placement, prefill-done and finish (router.replica_sync.LoadUpdate) on `<namespace>.router.load`;
 the others add it to their load under the sender's id. The workers' load reports still correct
 every prediction, so an update lost on the way or a frontend that dies leaves no lasting error.
+A subscription lost with the event plane is made again (frontend.resubscribe).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import asyncio
 import logging
 import uuid
 
-from dynamo_pd.runtime import EventPlane, Subscription
+from dynamo_pd.frontend.resubscribe import follow_subject
+from dynamo_pd.runtime import EventPlane
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.load import LoadTracker
 from router.replica_sync import ReplicaSync
@@ -29,17 +31,14 @@ class EventPlaneReplicaSync(ReplicaSync):
         self._tasks: set[asyncio.Task] = set()  # the follower and sends in flight, referenced until done
 
     async def start(self) -> None:
-        subscription = await self._events.subscribe(self.subject)
-        follower = asyncio.create_task(self._follow(subscription), name=f"replica-sync-{self.router_id}")
+        subscription = await self._events.subscribe(self.subject)  # live before the first request
+        follower = asyncio.create_task(
+            follow_subject(self._events, self.subject, lambda _subject, payload: self.apply(payload), subscription),
+            name=f"replica-sync-{self.router_id}")
         self._tasks.add(follower)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
-
-    async def _follow(self, subscription: Subscription) -> None:
-        async with subscription:
-            async for _subject, payload in subscription:
-                self.apply(payload)
 
     def _send_soon(self, data: bytes) -> None:
         """Publish without making the router wait; a failure is logged (workers' load reports correct it)."""

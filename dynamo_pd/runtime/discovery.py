@@ -16,7 +16,9 @@ grants a new one and puts its value again. "added" means added or changed: consu
 
 Watches survive short outages: on reconnect the new snapshot is diffed against what the
 watcher had seen, so removals during the outage still arrive as "removed". A backend that stays
-unreachable for `reconnect_timeout_s` ends the watch with DiscoveryUnavailableError.
+unreachable for `reconnect_timeout_s` ends the watch with DiscoveryUnavailableError; a caller that
+watches again passes what it holds as `seen`, and the new watch's snapshot is diffed against that
+(dynamo_pd.frontend.membership does so for the worker pool).
 
 Other planes share the mechanism through `advertise(key, value)` and `watch_prefix(prefix)`
 (the ZMQ event plane advertises its publishers that way). Keys live under `namespace/`.
@@ -28,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Literal, NamedTuple, Protocol
 
 import msgspec
@@ -157,8 +159,11 @@ class Discovery:
         items = await self.get_prefix(WORKERS_PREFIX)
         return [info for key, value in sorted(items.items()) if (info := _decode_worker(key, value))]
 
-    async def watch(self) -> AsyncIterator[tuple[WatchKind, WorkerInfo]]:
-        async with contextlib.aclosing(self.watch_prefix(WORKERS_PREFIX)) as changes:
+    async def watch(self, seen: Mapping[str, WorkerInfo] | None = None
+                    ) -> AsyncIterator[tuple[WatchKind, WorkerInfo]]:
+        """`seen`: the workers (by id) the caller already holds; the first snapshot is diffed against them."""
+        known = {WORKERS_PREFIX + worker_id: msgspec.msgpack.encode(info) for worker_id, info in (seen or {}).items()}
+        async with contextlib.aclosing(self.watch_prefix(WORKERS_PREFIX, known)) as changes:
             async for kind, key, value in changes:
                 if info := _decode_worker(key, value):
                     yield kind, info
@@ -176,9 +181,11 @@ class Discovery:
         items = await self._store.get_prefix(self._root + prefix)
         return {key[len(self._root):]: value for key, value in items.items()}
 
-    async def watch_prefix(self, prefix: str) -> AsyncIterator[tuple[WatchKind, str, bytes]]:
-        """(kind, key, value) for keys under `prefix`, keys without the namespace; resyncs after outages."""
-        seen: dict[str, bytes] = {}
+    async def watch_prefix(self, prefix: str, seen: Mapping[str, bytes] | None = None
+                           ) -> AsyncIterator[tuple[WatchKind, str, bytes]]:
+        """(kind, key, value) for keys under `prefix`, keys without the namespace; resyncs after outages.
+        `seen` (keys without the namespace): what the caller already holds, e.g. from a watch that ended."""
+        seen = {self._root + key: value for key, value in (seen or {}).items()}
         lost_since: float | None = None
         while True:
             try:
