@@ -92,6 +92,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # isolates prefix caching (LoRA name, tenant)
     handoff: Handoff | None = None  # decode role: KV computed elsewhere; prefill: an offered hand-off
     first_token_id: int | None = None  # decode role, pull hand-off: the token the prefill sampled
+    # tokens generated on a worker that failed (migration): computed with the prompt, then continued as
+    # though sampled here (max_tokens, penalties, seeded draws, stop strings, the text already streamed)
+    resume_token_ids: list[int] = []
 
     def validate(self) -> None:
         if not self.prompt_token_ids:
@@ -146,6 +149,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: int = 0
     max_num_seqs: int = 0
     max_model_len: int = 0
+    resumes: bool = False  # its engine continues a migrated request (EngineRequest.resume_token_ids)
 
 
 class OverloadedError(RuntimeError):

@@ -64,9 +64,11 @@ class Engine(abc.ABC):
     # hand-offs ("pull", "push") its KV transfer agent runs over the engine's `kv_cache` ([L, 2, B, T, H, D]):
     # PREFILL yields HeldKV, DECODE gets a kv_loader; () when the engine moves KV itself (EngineHandoff).
     # publishes_kv_events: the engine publishes its KV events itself, where extra["kv_events_endpoint"]
-    # says; else the worker publishes what drain_kv_events() returns.
+    # says; else the worker publishes what drain_kv_events() returns. resumes: it honours
+    # EngineRequest.resume_token_ids, so a request migrates to it from a failed worker.
     kv_handoffs: tuple[str, ...] = ()
     publishes_kv_events: bool = False
+    resumes: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None: ...

@@ -111,6 +111,16 @@ class EngineCore:
         if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
             raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
                                       "first_token_id")
+        resumed = request.resume_token_ids
+        if resumed:
+            if len(resumed) >= request.stop.max_tokens:
+                raise InvalidRequestError(f"{len(resumed)} resumed tokens leave none of max_tokens "
+                                          f"{request.stop.max_tokens}", "resume_token_ids")
+            if any(not 0 <= t < vocab for t in resumed):
+                raise InvalidRequestError("a resumed token id is outside the vocabulary", "resume_token_ids")
+            if request.handoff is not None or request.first_token_id is not None:
+                raise InvalidRequestError("a resumed request is prefilled where it resumes, without a hand-off",
+                                          "resume_token_ids")
         handoff = request.handoff
         if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
             if isinstance(handoff, EngineHandoff):
@@ -136,6 +146,12 @@ class EngineCore:
             generator=None if seed is None else torch.Generator().manual_seed(seed),
         )
         seq.needs_load = self.role is EngineRole.DECODE and request.handoff is not None
+        for token in request.resume_token_ids:  # sampled before a migration: as if sampled here
+            seq.token_ids.append(token)
+            seq.detokenizer.add(token)
+            skip_draw(seq)
+        if request.resume_token_ids:
+            seq.detokenizer.delta(finished=False)  # the text those tokens streamed, by the same holdback
         self.seqs[rid] = seq
         self.scheduler.add(seq)
 
