@@ -60,3 +60,69 @@ def test_vllm_aggregated_greedy_matches_transformers_and_streams_deltas(model_di
         assert outs[-1].usage.completion_tokens == 12
         assert outs[-1].usage.prompt_tokens == len(ids)
         assert tokens == hf_greedy(ids, 12)
+
+
+def test_vllm_request_ends_and_frees_the_engine_when_cancelled_either_way(model_dir):
+    """The RPC server cancels a stream two ways: it sets the request's context (the engine ends it with
+    'abort'), or it cancels the task consuming the stream (the handler's cleanup runs). Either way vLLM
+    drops the request and the generator closes cleanly (it raised 'asynchronous generator is already
+    running' from its cleanup when its task was cancelled mid-step, and left the request running)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)("Count from one to a thousand:").input_ids
+
+    def request(rid: str, max_tokens: int = 400) -> EngineRequest:
+        return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                             stop=StopConditions(max_tokens=max_tokens, ignore_eos=True))
+
+    async def idle(engine) -> None:
+        async with asyncio.timeout(30):
+            while engine._llm.output_processor.has_unfinished_requests():
+                await asyncio.sleep(0.05)
+
+    async def run() -> tuple[list, BaseException | None, list]:
+        engine = create_engine("vllm", EngineConfig(role=EngineRole.AGGREGATED, max_model_len=512, max_num_seqs=4,
+                                                    block_size=32))
+        await engine.start()
+        try:
+            context = RequestContext("by-context")
+            by_context = []
+            async for out in engine.generate(request("by-context"), context):
+                by_context.append(out)
+                if len(by_context) == 2:
+                    context.cancel()
+            await idle(engine)
+
+            first = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in engine.generate(request("by-task"), RequestContext("by-task")):
+                    first.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first.wait(), 60)
+            task.cancel()
+            raised = (await asyncio.gather(task, return_exceptions=True))[0]
+            await idle(engine)
+            after = [o async for o in engine.generate(request("after", 8), RequestContext("after"))]
+            return by_context, raised, after
+        finally:
+            await engine.stop()
+
+    by_context, raised, after = asyncio.run(run())
+    assert by_context[-1].finish_reason == "abort" and len(by_context) < 20
+    assert isinstance(raised, asyncio.CancelledError), raised
+    assert after[-1].finish_reason == "length" and after[-1].usage.completion_tokens == 8
+
+
+def test_nixl_side_channel_port_is_free_and_below_the_ephemeral_range():
+    import socket
+    from pathlib import Path
+
+    from dynamo_pd.engines.vllm import _side_channel_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    port = _side_channel_port("127.0.0.1")
+    assert 10000 <= port < low
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

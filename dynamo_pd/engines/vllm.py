@@ -6,7 +6,8 @@ PREFILL and DECODE engines run its NixlConnector (unless `extra` brings another 
 a PREFILL request asks for do_remote_decode and returns the kv_transfer_params vLLM hands back in
 an `EngineHandoff`'s params, and a DECODE request passes them in again; vLLM then pulls the blocks
 itself and samples the first token again from the pulled KV. The NIXL side channel listens on
-VLLM_NIXL_SIDE_CHANNEL_HOST (default here 127.0.0.1) and _PORT (default here a free port).
+VLLM_NIXL_SIDE_CHANNEL_HOST (default here 127.0.0.1) and _PORT (default here a free port below the
+ephemeral range).
 Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
 """
 
@@ -15,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import random
+import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from vllm import AsyncEngineArgs, SamplingParams
@@ -28,7 +32,7 @@ from dynamo_pd.model_store import resolve_model
 from dynamo_pd.handoff import EngineHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
-from dynamo_pd.runtime.ports import free_port
+from dynamo_pd.runtime.tasks import cancel_and_wait
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
@@ -117,13 +121,12 @@ class VllmEngine(Engine):
         )
         completion_tokens = 0
         cancelled = asyncio.ensure_future(context.wait_cancelled())
+        step: asyncio.Future | None = None
         try:
             while True:
                 step = asyncio.ensure_future(anext(stream))
                 await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    await self._llm.abort(request.request_id)
+                if not step.done():  # the step is cancelled below, and vLLM aborts the request
                     yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
                     return
                 try:
@@ -154,7 +157,9 @@ class VllmEngine(Engine):
                     handoff=handoff,
                 )
         finally:
-            cancelled.cancel()
+            # A step still waiting runs the stream: cancel it (vLLM aborts the request on that) before
+            # closing, which it would refuse ('asynchronous generator is already running').
+            await cancel_and_wait([cancelled, *([step] if step is not None else [])])
             await stream.aclose()
 
     async def release_handoff(self, request_id: str) -> None:
@@ -167,10 +172,29 @@ def _nixl_connector(role: EngineRole) -> KVTransferConfig:
         raise EngineUnavailableError(f"vLLM prefill/decode workers move KV with NIXL, which is not installed: "
                                      f"{NIXL_INSTALL_HINT}")
     # Read by vLLM's engine process, which inherits this environment.
-    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    host = os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_side_channel_port(host))
     kv_role = "kv_producer" if role is EngineRole.PREFILL else "kv_consumer"
     return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role)
+
+
+def _side_channel_port(host: str) -> int:
+    """A free port below the kernel's ephemeral range: vLLM binds it only once its engine has started,
+    and an ephemeral client port taken meanwhile left a prefill engine waiting for its listener for good."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for port in random.sample(range(10000, low), 100):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise EngineUnavailableError(f"no free port for vLLM's NIXL side channel on {host} below {low}; "
+                                 f"set VLLM_NIXL_SIDE_CHANNEL_PORT")
 
 
 def _finish_reason(reason: str | None) -> str:
