@@ -7,6 +7,8 @@
     placement.first_token()                 # its life: the first token, a worker's failure, the end
     placement.failed(Role.PREFILL); placement.finished()
     router.update_load_metrics(LoadMetrics(...))
+    router.worker_failed("d0"); router.worker_succeeded("d0")   # its circuit breaker (router.breaker)
+    router.place(..., exclude={"d0"})       # a retry or a migration: not on the workers that failed it
 
 Pools (router.worker.Role): PREFILL (overlap + load), DECODE (load; overlap too when `local_prefill`,
 i.e. the decode worker prefills the prompt itself), AGGREGATED (overlap + load). `place` picks the pools:
@@ -21,10 +23,11 @@ tokens reach `busy_prefill_tokens`; busy workers are skipped, and when all are, 
 from __future__ import annotations
 
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from router.breaker import CircuitBreaker
 from router.hashing import block_hashes
 from router.indexer import KvIndexer, WorkerId
 from router.ingest import EventIngestor
@@ -144,6 +147,7 @@ class KvRouter:
         self.load = LoadTracker()
         self._pool_of: dict[WorkerId, Role] = {}
         self._sync: ReplicaSync | None = None
+        self.breaker = CircuitBreaker()
 
     # -- workers -----------------------------------------------------------------------------------
     def add_worker(self, worker_id: WorkerId, pool: Role | str, capacity_blocks: int,
@@ -166,6 +170,7 @@ class KvRouter:
     def remove_worker(self, worker_id: WorkerId) -> None:
         """The worker left (lease expired, died): forget its blocks and load."""
         self._pool_of.pop(worker_id, None)
+        self.breaker.forget(worker_id)
         self.load.remove_worker(worker_id)
         self.ingestor.remove_worker(worker_id)
         if not self._pool_of and self.config.block_size is None:  # the next workers may bring another size
@@ -181,10 +186,19 @@ class KvRouter:
     def attach_replica_sync(self, sync: ReplicaSync) -> None:
         self._sync = sync
 
+    def worker_failed(self, worker_id: WorkerId) -> float:
+        """A worker broke a request (died, stalled, its stream dropped): out of routing for a while
+        (returned, in seconds), longer with each failure in a row."""
+        return self.breaker.failed(worker_id)
+
+    def worker_succeeded(self, worker_id: WorkerId) -> None:
+        self.breaker.succeeded(worker_id)
+
     # -- requests ----------------------------------------------------------------------------------
     def place(self, request_id: str, token_ids: Sequence[int], salt: str | None = None, *,
-              local_prefill_tokens: int = 0) -> Placement:
-        """The frontend's one question: which workers serve this request (the prompt hashed once)."""
+              local_prefill_tokens: int = 0, exclude: Collection[WorkerId] = ()) -> Placement:
+        """The frontend's one question: which workers serve this request (the prompt hashed once),
+        none of them in `exclude`."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
         if self.block_size is None:
@@ -192,15 +206,15 @@ class KvRouter:
         hashes = block_hashes(token_ids, self.block_size, salt)
         if not self.workers(Role.DECODE):
             return Placement(self, request_id, {Role.AGGREGATED: self.route(Role.AGGREGATED, request_id, token_ids,
-                                                                            hashes=hashes)})
+                                                                            hashes=hashes, exclude=exclude)})
         remote = bool(self.workers(Role.PREFILL))
         local = local_prefill_tokens > 0 or not remote  # only then does overlap on the decode worker matter
-        decode = self.route(Role.DECODE, request_id, token_ids, local_prefill=local, hashes=hashes)
+        decode = self.route(Role.DECODE, request_id, token_ids, local_prefill=local, hashes=hashes, exclude=exclude)
         routes = {Role.DECODE: decode}
         if not remote or (local and len(token_ids) - decode.cached_tokens <= local_prefill_tokens):
             return Placement(self, request_id, routes)
         try:
-            routes[Role.PREFILL] = self.route(Role.PREFILL, request_id, token_ids, hashes=hashes)
+            routes[Role.PREFILL] = self.route(Role.PREFILL, request_id, token_ids, hashes=hashes, exclude=exclude)
         except RoutingError as exc:
             return Placement(self, request_id, routes, prefill_refused=exc)
         return Placement(self, request_id, routes)
@@ -213,15 +227,19 @@ class KvRouter:
         salt: str | None = None,
         local_prefill: bool = False,
         hashes: Sequence[int] | None = None,  # the prompt's block_hashes, when the caller has them already
+        exclude: Collection[WorkerId] = (),
     ) -> RouteDecision:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
         if pool not in tuple(Role):
             raise NoWorkers(f"unknown pool {pool!r}; choose one of {', '.join(r.value for r in Role)}")
         pool = Role(pool)
-        workers = self.workers(pool)
+        workers = [w for w in self.workers(pool) if w not in exclude]
         if not workers:
-            raise NoWorkers(f"no {pool.value} workers are registered")
+            raise NoWorkers(f"no {pool.value} workers are registered"
+                            + (f" besides {', '.join(sorted(exclude))}" if exclude else ""))
+        # workers whose breaker is open sit out, unless that leaves none: then they are tried anyway
+        workers = [w for w in workers if not self.breaker.is_open(w)] or workers
         block_size = self.block_size
         uses_overlap = pool is not Role.DECODE or local_prefill
         # one dict of every matched worker: cheaper than asking the Overlaps about each pool worker
