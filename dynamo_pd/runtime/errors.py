@@ -28,6 +28,11 @@ class WorkerGoneError(RpcError):
     """The worker's connection dropped (or never came up) while a stream was open."""
 
 
+class WorkerDrainingError(RpcError):
+    """The worker is shutting down: it refused a new stream, or ended one its drain timeout cut short.
+    Nothing is wrong with the request; another worker may serve (or continue) it."""
+
+
 class FirstResponseTimeoutError(RpcError):
     """The worker sent nothing within the first-response timeout; the stream was cancelled."""
 

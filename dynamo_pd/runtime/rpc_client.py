@@ -8,6 +8,7 @@
 
 Every way out is bounded and typed:
   - the handler refused the request               -> protocol.InvalidRequestError (the client's fault)
+  - the worker is draining (refused a new stream, or its drain timeout ended this one) -> WorkerDrainingError
   - the handler raised anything else              -> RemoteError(error_type, message)
   - the connection was refused, none within `connect_timeout_s`, or it dropped (the worker died: ZMQ
     heartbeats, answered by ZMQ's I/O thread so a busy worker loop is no false alarm, notice a
@@ -43,6 +44,7 @@ from dynamo_pd.runtime.errors import (
     RemoteError,
     RequestCancelledError,
     StreamStalledError,
+    WorkerDrainingError,
     WorkerGoneError,
 )
 
@@ -130,6 +132,8 @@ class _Connection:
             elif msg.client_error:  # rebuilt as the protocol error it was, so no caller retries it
                 error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
                 queue.put_nowait(error(msg.message, msg.param))
+            elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere
+                queue.put_nowait(WorkerDrainingError(f"worker {self.endpoint}: {msg.message}"))
             else:
                 queue.put_nowait(RemoteError(msg.error_type, msg.message, self.endpoint))
 

@@ -7,13 +7,16 @@
     server = RpcServer(handler)             # binds tcp://127.0.0.1:<random>
     await server.start(); server.endpoint   # advertise it in WorkerInfo.rpc_endpoint
     RpcServer(handler, "tcp://0.0.0.0:0", advertise_host="10.0.0.2")   # every interface; endpoint names 10.0.0.2
+    await server.drain(timeout_s)           # refuse new streams, let open ones finish, end the rest
     ...; await server.close()               # cancels every open stream
 
 Each stream runs the handler in its own task with a fresh RequestContext. A client's Cancel, a
 client silent for `client_timeout_s` (it pings every second while it has streams) or a client
 that is gone sets the context and cancels the task, so the handler's `finally` frees what it
 holds. A handler's `InvalidRequestError` reaches the client as itself (the client's fault); any
-other exception as `RemoteError(type name, message)`.
+other exception as `RemoteError(type name, message)`. While draining, a new stream is refused and a
+stream the drain timeout cuts short is ended, both with `WorkerDrainingError`: the caller serves the
+request elsewhere (the frontend retries or migrates it).
 The discovery server keeps its own ROUTER loop (see its docstring): the two share only a socket's
 setup, while their protocols (streams with cancellation here; resent requests and pushed changes
 there) and their handling of a gone peer differ.
@@ -34,6 +37,7 @@ import zmq.asyncio
 from dynamo_pd.protocol import InvalidRequestError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
+from dynamo_pd.runtime.errors import WorkerDrainingError
 from dynamo_pd.runtime.ports import advertised
 from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -55,6 +59,7 @@ class RpcServer:
         self._streams: dict[tuple[bytes, int], tuple[asyncio.Task, RequestContext]] = {}
         self._last_seen: dict[bytes, float] = {}
         self._tasks: list[asyncio.Task] = []
+        self._draining = False
         self.endpoint = ""
 
     @property
@@ -80,6 +85,22 @@ class RpcServer:
         self._tasks = [asyncio.create_task(self._serve(), name="rpc-serve"),
                        asyncio.create_task(self._reap(), name="rpc-reap")]
         return self.endpoint
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new streams; wait up to `timeout_s` for the open ones to end; end the rest with
+        WorkerDrainingError (their handlers cancelled, so they free what they hold). Returns how many
+        were cut short."""
+        self._draining = True
+        open_tasks = [task for task, _ in self._streams.values()]
+        if open_tasks:
+            await asyncio.wait(open_tasks, timeout=timeout_s)
+        cut = list(self._streams.items())
+        for key, (_task, context) in cut:
+            self._cancel(key)
+            await self._send(key[0], context, wire.Fail(key[1], WorkerDrainingError.__name__,
+                                                         f"the worker is shutting down; its drain timeout "
+                                                         f"({timeout_s:g}s) ended request {context.request_id}"))
+        return len(cut)
 
     async def close(self) -> None:
         tasks = self._tasks + [task for task, _ in self._streams.values()]
@@ -108,7 +129,10 @@ class RpcServer:
             except (msgspec.DecodeError, IndexError) as exc:
                 log.warning("rpc server: dropping malformed message from %r: %s", peer, exc)
                 continue
-            if isinstance(msg, wire.Open):
+            if isinstance(msg, wire.Open) and self._draining:
+                await self._send(peer, RequestContext(msg.request_id), wire.Fail(
+                    msg.stream, WorkerDrainingError.__name__, "the worker is shutting down and takes no new requests"))
+            elif isinstance(msg, wire.Open):
                 key = (peer, msg.stream)
                 payload = frames[2] if len(frames) > 2 else b""
                 context = RequestContext(msg.request_id)
