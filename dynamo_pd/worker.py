@@ -67,6 +67,7 @@ class WorkerConfig:
     worker_id: str = ""
     served_model_name: str = ""  # the model's name for clients ("": --model, or the default model's name)
     load_interval_s: float = 0.5
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are moved
 
 
 class Worker:
@@ -81,6 +82,8 @@ class Worker:
                                       advertise_host=self.advertise_host, guard=config.security)
         self._tasks: list[asyncio.Task] = []
         self._closers: list = []
+        self._rpc: RpcServer | None = None
+        self._registration = None
 
     @property
     def role(self) -> EngineRole:
@@ -109,6 +112,7 @@ class Worker:
             model_path=cfg.engine_config.model or "", rpc_endpoint="", block_size=cfg.engine_config.block_size,
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
+            resumes=engine_class.resumes,
         ))
         self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace, cfg.security)
         self.events = await connect_event_plane(cfg.events, self.discovery, host=cfg.host,
@@ -119,13 +123,26 @@ class Worker:
                         security=cfg.security)
         await rpc.start()
         self._closers.insert(0, rpc.close)
+        self._rpc = rpc
         info.rpc_endpoint = rpc.endpoint
         if engine.stats is not None:
             self._tasks.append(asyncio.create_task(self._publish_load()))
-        registration = await self.discovery.register(info)
+        self._registration = registration = await self.discovery.register(info)
         self._closers.insert(0, registration.close)
         log.info("worker %s (%s, %s) ready at %s", self.worker_id, self.role.value, cfg.engine, rpc.endpoint)
         return info
+
+    async def drain(self) -> None:
+        """Leave discovery (routers stop sending here), refuse new requests, let those in flight finish
+        for up to drain_timeout_s, then end the rest with WorkerDrainingError: the frontend moves them."""
+        if self._registration is None or self._rpc is None:
+            return
+        await self._registration.close()
+        log.info("worker %s draining: %d requests in flight, up to %gs", self.worker_id, self._rpc.num_streams,
+                 self.config.drain_timeout_s)
+        cut = await self._rpc.drain(self.config.drain_timeout_s)
+        if cut:
+            log.warning("worker %s: drain timeout ended %d requests; the frontend moves them", self.worker_id, cut)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
@@ -212,11 +229,16 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
                         help="address peers reach this worker at (default: --host, or for 0.0.0.0 this host's "
                              "address on the route to discovery)")
     parser.add_argument("--worker-id", default="")
+    parser.add_argument("--drain-timeout-s", type=float, default=WorkerConfig.drain_timeout_s,
+                        help="on SIGTERM: leave discovery, let in-flight requests finish this long, then end the "
+                             "rest so the frontend continues them on another worker (default %(default)s)")
     parser.add_argument("--served-model-name", default="",
                         help="the name clients ask for this model by (default: --model)")
     add_security_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
+    if args.drain_timeout_s < 0:
+        raise SystemExit(f"error: --drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
     try:
         args.advertise_host = advertise_host(args.host, args.advertise_host, args.discovery)
     except ValueError as exc:
@@ -226,7 +248,7 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
         namespace=check_namespace(args.namespace),
         events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
         advertise_host=args.advertise_host, security=security_from_args(args), worker_id=args.worker_id,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout_s,
     )
 
 
@@ -234,12 +256,15 @@ async def serve_worker(config: WorkerConfig) -> None:
     worker = Worker(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals: list[signal.Signals] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda sig=sig: (signals.append(sig), stop.set()))
     try:
         await worker.start()
         print(f"dynamo-pd {worker.role.value} worker {worker.worker_id} ready", flush=True)
         await stop.wait()
+        if signals[0] is signal.SIGTERM:  # a rolling restart: in-flight work finishes or moves
+            await worker.drain()
     finally:
         await worker.stop()
 
