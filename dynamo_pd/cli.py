@@ -95,14 +95,19 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
     g.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
     g.add_argument("--inter-token-timeout-s", type=float, default=60.0,
-                   help="end a request (503, its worker's work cancelled) when its worker sends nothing this long "
-                        "after the first token: a wedged engine")
+                   help="a worker that sends nothing this long after the first token is wedged: its work is cancelled "
+                        "and the request moves to another worker (--migration-limit), else ends with 503")
+    g.add_argument("--migration-limit", type=int, default=3,
+                   help="how often one request may move to another worker when its worker fails (died, stalled, "
+                        "drained): retried before its first token, continued from the tokens sent after (0: never)")
 
 
 
 def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.inter_token_timeout_s <= 0:
         p.error(f"--inter-token-timeout-s must be > 0, got {args.inter_token_timeout_s}")
+    if args.migration_limit < 0:
+        p.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if not 0 < args.busy_kv_fraction <= 1:
         p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
 

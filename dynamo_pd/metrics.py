@@ -42,6 +42,10 @@ class Metrics:
         self.fallbacks = Counter(
             "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
         )
+        self.migrations = Counter("dynamo_pd_migrations", "Requests moved to another worker after the client had "
+                                  "tokens, by the failure (worker_gone, stalled, draining, ...)", ["reason"], registry=r)
+        self.retries = Counter("dynamo_pd_retries", "Requests retried on another worker before their first token, "
+                               "by the failure", ["reason"], registry=r)
         self.workers_refused = Counter("dynamo_pd_workers_refused", "Workers registered that the frontend cannot "
                                        "serve (model, KV block size)", ["reason"], registry=r)
 

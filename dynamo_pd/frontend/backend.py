@@ -14,7 +14,9 @@ Disaggregated path of one request:
      The client gets the prefill's first token, or the decode side's when the hand-off says the
      decode side samples it again (`first_token_from_decode`, vLLM).
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
-(counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured. The placement hears
+(counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured; a decode (or
+aggregated) worker that fails it is kept out of routing for a while (the router's circuit breaker)
+and the request retried elsewhere before its first token, migrated after (frontend/migration.py). The placement hears
 the client's first token, a failed prefill and the end, so the router's load follows the request.
 Workers register their KV block size; the first one sets the router's, and a worker with another
 is refused (an ERROR line, dynamo_pd_workers_refused{reason="block_size"}).
@@ -38,7 +40,8 @@ from dynamo_pd.frontend.resubscribe import follow_subject
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.handoff import together_timeouts
 from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
-from dynamo_pd.runtime import Discovery, EventPlane, RequestContext, RpcClient, RpcError
+from dynamo_pd.frontend.migration import Journey, WorkerFailure, failure_reason
+from dynamo_pd.runtime import Discovery, EventPlane, RequestCancelledError, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.service import KvRouter, LayoutMismatch, Placement, RoutingError
 from router.worker import Role
@@ -59,6 +62,7 @@ class BackendConfig:
     local_prefill_tokens: int = 0  # decode prefills locally when the uncached prompt is at most this
     on_prefill_failure: Literal["local", "fail"] = "local"
     inter_token_timeout_s: float = 60.0  # a worker silent this long after its first output is wedged
+    migration_limit: int = 3  # moves of one request to another worker after a failure (0: none)
 
 
 class RemoteBackend:
@@ -155,41 +159,99 @@ class RemoteBackend:
     # ---- requests
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        """Stream the request from where the router places it; a worker that fails it hands it on
+        (dynamo_pd.frontend.migration: a retry before the client's first token, a migration after)."""
+        journey = Journey(request, self.config.migration_limit)
         try:
-            placement = self.router.place(request.request_id, request.prompt_token_ids, request.cache_salt,
-                                          local_prefill_tokens=self.config.local_prefill_tokens)
+            placement, attempt = self._place(journey)
         except RoutingError as exc:
             raise OverloadedError(str(exc)) from exc
         try:
-            decode = placement.decode
-            if placement.prefill_refused is not None:  # every prefill worker busy: prefill locally, or fail
-                stream = self._fallback(placement, request, context, None, "prefill_failed", placement.prefill_refused)
-            elif placement.prefill is None:
-                stream = self._stream(placement, decode.pool, request, context)
-            else:
-                stream = self._disaggregated(placement, request, context)
-            first = True
-            async for out in stream:
-                if first and out.token_ids:
-                    placement.first_token()
-                    first = False
-                yield out
+            while True:
+                try:
+                    async for out in self._attempt(placement, attempt, journey, context):
+                        yield out
+                    return
+                except WorkerFailure as failure:
+                    if journey.finished:  # the client has the whole answer; only the stream's end was lost
+                        return
+                    placement.finished()
+                    placement, attempt = self._move(journey, failure)
         finally:
             placement.finished()
 
+    def _place(self, journey: Journey) -> tuple[Placement, EngineRequest]:
+        """Place the next attempt, never on a worker that failed the request; a migration goes to a
+        worker that resumes and prefills prompt + the client's tokens itself (its prefix cache helps)."""
+        request = journey.attempt()
+        tokens, local, exclude = request.prompt_token_ids, self.config.local_prefill_tokens, set(journey.failed)
+        if request.resume_token_ids:
+            tokens = tokens + request.resume_token_ids
+            local = len(tokens)
+            exclude |= {w for w, info in self.workers.items() if not info.resumes}
+        return self.router.place(request.request_id, tokens, request.cache_salt, local_prefill_tokens=local,
+                                 exclude=exclude), request
+
+    def _move(self, journey: Journey, failure: WorkerFailure) -> tuple[Placement, EngineRequest]:
+        """Keep the failed worker out for a while and place the request anew; raise the worker's error
+        when the request cannot move."""
+        out_s = self.router.worker_failed(failure.worker_id)
+        rid, kind = journey.request.request_id, "migration" if journey.sent else "retry"
+        why = journey.why_not(failure)
+        if why is None:
+            journey.moves += 1
+            try:
+                placed = self._place(journey)
+            except RoutingError as exc:
+                why = f"no other worker can take it ({exc})" if not journey.sent else \
+                    f"no other worker whose engine resumes a request can take it ({exc})"
+        if why is not None:
+            log.warning("request %s: %s; it cannot move: %s", rid, failure, why)
+            raise failure.cause
+        (self.metrics.migrations if journey.sent else self.metrics.retries).labels(failure.reason).inc()
+        log.warning("request %s: %s (kept out of routing %gs); %s %d to %s after %d tokens", rid, failure, out_s,
+                    kind, journey.moves, placed[0].decode.worker_id, len(journey.sent))
+        return placed
+
+    async def _attempt(self, placement: Placement, request: EngineRequest, journey: Journey,
+                       context: RequestContext) -> AsyncIterator[EngineOutput]:
+        decode = placement.decode
+        if placement.prefill_refused is not None:  # every prefill worker busy: prefill locally, or fail
+            stream = self._fallback(placement, request, context, None, "prefill_failed", placement.prefill_refused)
+        elif placement.prefill is None:
+            stream = self._stream(placement, decode.pool, request, context)
+        else:
+            stream = self._disaggregated(placement, request, context)
+        first = True
+        async for out in stream:
+            if out.finish_reason == "error":
+                raise WorkerFailure(decode.worker_id, "engine_error", RuntimeError(out.error or "generation failed"))
+            if first and out.token_ids:
+                placement.first_token()
+                first = False
+            yield journey.sent_output(out)
+        self.router.worker_succeeded(decode.worker_id)
+
     async def _stream(self, placement: Placement, role: Role, request: EngineRequest, context: RequestContext,
                       first_response_timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
+        """One worker's stream; its failures are WorkerFailures (a client's error or cancellation passes)."""
         worker_id = placement.routes[role].worker_id
         worker = self.workers.get(worker_id)
         if worker is None:
-            raise OverloadedError(f"worker {worker_id} left before the request reached it")
-        async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
-                                           first_response_timeout_s=first_response_timeout_s):
-            out = _output_decoder.decode(chunk)
-            if out.transfer is not None:
-                self.metrics.transfer_bytes.inc(out.transfer.nbytes)
-                self.metrics.transfer_seconds.observe(out.transfer.seconds)
-            yield out
+            raise WorkerFailure(worker_id, "worker_left", OverloadedError("the worker left before the request "
+                                                                          "reached it"))
+        try:
+            async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
+                                               first_response_timeout_s=first_response_timeout_s):
+                out = _output_decoder.decode(chunk)
+                if out.transfer is not None:
+                    self.metrics.transfer_bytes.inc(out.transfer.nbytes)
+                    self.metrics.transfer_seconds.observe(out.transfer.seconds)
+                yield out
+        except RequestCancelledError:
+            raise
+        except RpcError as exc:
+            raise WorkerFailure(worker_id, failure_reason(exc), exc) from exc
 
     async def _disaggregated(self, placement: Placement, request: EngineRequest,
                              context: RequestContext) -> AsyncIterator[EngineOutput]:
@@ -199,7 +261,7 @@ class RemoteBackend:
         try:
             try:
                 if prefill is None:
-                    raise OverloadedError("the chosen prefill worker left before the request reached it")
+                    raise RuntimeError("the chosen prefill worker left before the request reached it")
                 to_prefill = request
                 if prefill.handoff_offer is not None:  # to both at once: decode gets ready while the prefill runs
                     wait_s, decode_first_s = together_timeouts(self.rpc.first_response_timeout_s)
@@ -212,8 +274,10 @@ class RemoteBackend:
                 first = await anext(prefill_stream)
                 if first.handoff is None and first.finish_reason not in ("stop", "length"):
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
-            except (RpcError, RuntimeError, StopAsyncIteration, OverloadedError) as exc:
+            except (RpcError, RuntimeError, StopAsyncIteration) as exc:
                 placement.failed(Role.PREFILL)
+                if isinstance(exc, WorkerFailure):
+                    self.router.worker_failed(exc.worker_id)
                 if decode_stream is not None:  # the decode worker frees what it reserved
                     await cancel_and_wait([decode_started])
                     await decode_stream.aclose()
@@ -222,6 +286,7 @@ class RemoteBackend:
                 async for out in self._fallback(placement, request, context, None, "prefill_failed", exc):
                     yield out
                 return
+            self.router.worker_succeeded(placement.prefill.worker_id)
             if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
                 yield first
                 return

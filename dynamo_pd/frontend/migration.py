@@ -1,0 +1,93 @@
+"""A request's journey across the workers that serve it, when one fails.
+
+A worker fails a request when its stream breaks: the process died or the connection dropped
+(`worker_gone`), it sent nothing for --inter-token-timeout-s (`stalled`) or before its first output
+(`timeout`), it is shutting down (`draining`), its handler or engine failed (`worker_error`,
+`engine_error`), or it left discovery before the request reached it (`worker_left`). A client error
+(InvalidRequestError) is never one of these: it ends the request as it is.
+
+  - before the client has a token: the request is *retried* on a new placement, without that worker;
+  - after: it *migrates*: a new placement on a decode (or aggregated) worker of an engine that resumes
+    (WorkerInfo.resumes) prefills prompt + the tokens the client has (the prefix cache serves what it
+    holds) and continues as though it had sampled them (EngineRequest.resume_token_ids), so the client's
+    stream goes on where it stopped, greedy text and seeded draws as an unfailed run's.
+Both count against --migration-limit moves per request. A request cannot move when the limit is
+spent, no other worker can take it (or, after the first token, none whose engine resumes), or its
+max_tokens are all generated: it ends with the worker's error, of its kind (worker_stalled, ...), and the
+frontend's log names why it could not move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynamo_pd.protocol import EngineOutput, EngineRequest, Usage
+from dynamo_pd.runtime.errors import (
+    FirstResponseTimeoutError,
+    RemoteError,
+    RpcError,
+    StreamStalledError,
+    WorkerDrainingError,
+)
+
+
+class WorkerFailure(RpcError):
+    """A worker broke a request (not the client's fault): which one, why, and the error it gave."""
+
+    def __init__(self, worker_id: str, reason: str, cause: Exception):
+        super().__init__(f"worker {worker_id} failed the request ({reason}): {cause}")
+        self.worker_id, self.reason, self.cause = worker_id, reason, cause
+
+
+def failure_reason(exc: RpcError) -> str:
+    if isinstance(exc, WorkerDrainingError):
+        return "draining"
+    if isinstance(exc, StreamStalledError):
+        return "stalled"
+    if isinstance(exc, FirstResponseTimeoutError):
+        return "timeout"
+    if isinstance(exc, RemoteError):
+        return "worker_error"
+    return "worker_gone"
+
+
+@dataclass
+class Journey:
+    """One client request: what the client has, which workers failed it, how often it moved."""
+
+    request: EngineRequest
+    limit: int  # moves allowed (retries and migrations)
+    sent: list[int] = field(default_factory=list)  # token ids the client has
+    failed: set[str] = field(default_factory=set)
+    moves: int = 0
+    finished: bool = False  # the client has the final output: a failure after it loses nothing
+
+    def attempt(self) -> EngineRequest:
+        """The request as the next worker gets it: its own id after a move (workers that saw the first
+        may still hold it), and the tokens the client has."""
+        if not self.moves:
+            return self.request
+        return msgspec.structs.replace(self.request, request_id=f"{self.request.request_id}-{self.moves}",
+                                       resume_token_ids=list(self.sent))
+
+    def sent_output(self, out: EngineOutput) -> EngineOutput:
+        """Record an output on its way to the client; after a migration its usage is the whole request's."""
+        self.sent += out.token_ids
+        self.finished = out.finish_reason is not None
+        if self.moves and out.usage is not None:
+            prompt = len(self.request.prompt_token_ids)
+            out = msgspec.structs.replace(out, usage=Usage(
+                prompt_tokens=prompt, completion_tokens=len(self.sent),
+                cached_tokens=min(out.usage.cached_tokens, prompt)))
+        return out
+
+    def why_not(self, failure: WorkerFailure) -> str | None:
+        """Why the request cannot move after `failure`; None: it can (the router may still find no worker)."""
+        self.failed.add(failure.worker_id)
+        if self.moves >= self.limit:
+            return f"it may move {self.limit} times (--migration-limit) and moved {self.moves}"
+        if len(self.sent) >= self.request.stop.max_tokens:
+            return f"all {len(self.sent)} of its max_tokens were generated"
+        return None
