@@ -109,7 +109,7 @@ class Worker:
         self._closers.insert(0, self.handoff.close)
         info = self.handoff.register(WorkerInfo(
             worker_id=self.worker_id, role=self.role, engine=cfg.engine, model=cfg.served_model_name or model_name,
-            model_path=cfg.engine_config.model or "", rpc_endpoint="", block_size=cfg.engine_config.block_size,
+            model_path=model_name, rpc_endpoint="", block_size=cfg.engine_config.block_size,
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
             resumes=engine_class.resumes,
