@@ -138,7 +138,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     engine: str
     model: str  # the name clients ask for
     rpc_endpoint: str  # request plane
-    model_path: str = ""  # where the frontend loads the model's tokenizer and config ("": the model's name)
+    model_path: str = ""  # where the frontend loads the model's tokenizer and config (a directory, .gguf or name)
     kv_events_endpoint: str = ""  # ZMQ publisher of KV events ("" when events go over NATS)
     kv_events_replay_endpoint: str = ""  # where a router catches up on missed event batches
     kv_events_subject: str = ""  # NATS subject of KV events ("" when events go over ZMQ)
