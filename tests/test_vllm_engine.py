@@ -126,3 +126,22 @@ def test_nixl_side_channel_port_is_free_and_below_the_ephemeral_range():
     assert 10000 <= port < low
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_cpu_prefill_and_decode_run_vllms_nixl_connector_without_nixls_busy_progress_thread(model_dir, monkeypatch):
+    """NIXL's progress thread polls without sleeping (each idle P/D worker burnt most of a core; on 2 cores a
+    12-token 1P1D request took 50-100 s): on CPU the engines load vLLM's own connector through vllm_nixl,
+    whose agents start without it (vLLM's worker progresses transfers every step)."""
+    pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+    from dynamo_pd.engines.vllm import VllmEngine
+
+    for name in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"):
+        monkeypatch.delenv(name, raising=False)  # the engine sets them for vLLM's processes
+    for role in (EngineRole.PREFILL, EngineRole.DECODE):
+        transfer = VllmEngine(EngineConfig(role=role, device="cpu")).engine_args().kv_transfer_config
+        assert KVConnectorFactory.get_connector_class(transfer) is NixlConnector
+    assert base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True).enable_pthread is False

