@@ -208,7 +208,13 @@ async def _connect_discovery(url: str, namespace: str, security: Security, patie
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return await connect_discovery(url, namespace=namespace, security=security)
+            discovery = await connect_discovery(url, namespace=namespace, security=security)
+            try:  # the embedded store connects lazily: one round trip shows the frontend is listening
+                await discovery.list()
+            except BaseException:
+                await discovery.close()
+                raise
+            return discovery
         except DiscoveryUnavailableError:
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: discovery at {url} unreachable for {patience_s:.0f}s (--discovery)") from None
