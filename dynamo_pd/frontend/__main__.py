@@ -1,5 +1,6 @@
-"""`python -m dynamo_pd.frontend`: the OpenAI-compatible HTTP server, the KV router and, unless
-etcd is given, the embedded discovery server the workers register with."""
+"""`python -m dynamo_pd.frontend`: the OpenAI-compatible HTTP server, a KV router per model its
+workers register (dynamo_pd.frontend.gateway) and, unless etcd is given, the embedded discovery
+server the workers register with."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args
 from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_from_args, security_from_args
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
+from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
 from dynamo_pd.metrics import Metrics
-from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
-from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
+from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from dynamo_pd.runtime import DiscoveryServer, EventPlane, connect_discovery, connect_event_plane
 from dynamo_pd.runtime.ports import advertise_host
 from dynamo_pd.runtime.security import configure
 from router.service import KvRouter, RouterConfig
@@ -32,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address other frontends reach this one's event plane at (default: --host, or for 0.0.0.0 "
                         "this host's address on the route to discovery)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help=f"the model the workers serve (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None,
+                   help=f"a model to load before its workers register (e.g. {DEFAULT_MODEL}); every model a worker "
+                        "registers is served either way")
     p.add_argument("--discovery", default="tcp://127.0.0.1:7000",
                    help="etcd://HOST:PORT, or tcp://HOST:PORT where this frontend hosts embedded discovery")
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
@@ -51,12 +55,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def run(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer, AutoConfig
+def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metrics) -> BackendFactory:
+    """How the gateway makes a model's backend: its tokenizer and context from the model's files, its router."""
 
-    model_dir = await asyncio.to_thread(resolve_model, args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    context_len = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+    async def make(name: str, model_path: str, view: ModelView) -> RemoteBackend:
+        def load():
+            from transformers import AutoConfig, AutoTokenizer  # seconds to import: never on the event loop
+
+            model_dir = resolve_model(model_path or name)
+            return AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).max_position_embeddings
+
+        tokenizer, context_len = await asyncio.to_thread(load)
+        router = KvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
+                                       overlap_weight=args.overlap_weight, temperature=args.router_temperature,
+                                       busy_kv_fraction=args.busy_kv_fraction))
+        backend = RemoteBackend(name, tokenizer, context_len, view, events, router, metrics,
+                                BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
+                                              args.inter_token_timeout_s), namespace=args.namespace)
+        await backend.start()
+        return backend
+
+    return make
+
+
+async def run(args: argparse.Namespace) -> None:
     closers = []
     configure(args.security)  # every socket of this process: its RPC client, KV event readers, discovery
     if args.discovery.startswith("tcp://"):
@@ -67,15 +89,15 @@ async def run(args: argparse.Namespace) -> None:
     events = await connect_event_plane(args.events, discovery, host=args.host,
                                        advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
     metrics = Metrics()
-    router = KvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
-                                   overlap_weight=args.overlap_weight, temperature=args.router_temperature,
-                                   busy_kv_fraction=args.busy_kv_fraction))
-    backend = RemoteBackend(args.model or DEFAULT_MODEL, tokenizer, context_len, discovery, events, router, metrics,
-                            BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
-                                          args.inter_token_timeout_s), namespace=args.namespace)
-    await backend.start()
-    closers[:0] = [backend.close, events.close, discovery.close]
-    app = create_app(backend, FrontendConfig(host=args.host, port=args.port, api_key=args.api_key,
+    gateway = Gateway(discovery, backend_factory(args, events, metrics))
+    closers[:0] = [gateway.close, events.close, discovery.close]
+    if args.model is not None:
+        try:
+            await gateway.add_model(args.model, args.model)
+        except ModelNotFoundError as exc:
+            raise SystemExit(f"error: {exc} (--model)") from None
+    await gateway.start()
+    app = create_app(gateway, FrontendConfig(host=args.host, port=args.port, api_key=args.api_key,
                                              max_body_bytes=args.max_body_bytes), metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

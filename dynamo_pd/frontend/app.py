@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP frontend: validate, tokenize, hand the request to a Backend, stream back.
+"""The OpenAI-compatible HTTP frontend: validate, tokenize, hand the request to its model's Backend,
+stream back.
 
 Errors are OpenAI error bodies: 400 the client's fault (never retried; context overflow too, as
-OpenAI answers it), 401 bad key, 404 unknown model, 413 body too large, 503 overloaded or a worker
+OpenAI answers it), 401 bad key, 404 unknown model (naming the served ones), 413 body too large, 503 overloaded or a worker
 gone or silent (retry), 500 anything else. Server errors name no internal endpoint: the log has the
 details. A client that goes away, from the moment its request arrives, cancels the request on
 every worker holding it. Tokenization and the chat template run off the event loop.
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
+from dynamo_pd.frontend.gateway import ModelNotFoundError
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -53,6 +55,40 @@ class Backend(Protocol):
         """Set the gauges that are read off live state rather than counted as requests pass."""
 
     def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]: ...
+
+
+class Models(Protocol):
+    """The served models and each one's Backend (dynamo_pd.frontend.gateway.Gateway)."""
+
+    def served(self) -> list[str]: ...
+
+    def ready(self) -> bool: ...
+
+    def lookup(self, name: str) -> Backend:
+        """The model's backend; ModelNotFoundError when it is not served."""
+
+    def refresh_metrics(self) -> None: ...
+
+
+class OneModel:
+    """One backend as Models (an in-process backend, tests)."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    def served(self) -> list[str]:
+        return [self.backend.model_name] if self.backend.ready() else []
+
+    def ready(self) -> bool:
+        return self.backend.ready()
+
+    def lookup(self, name: str) -> Backend:
+        if name != self.backend.model_name:
+            raise ModelNotFoundError(name, self.served())
+        return self.backend
+
+    def refresh_metrics(self) -> None:
+        self.backend.refresh_metrics()
 
 
 @dataclass
@@ -134,7 +170,8 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
-def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None = None) -> FastAPI:
+def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metrics | None = None) -> FastAPI:
+    models = models if hasattr(models, "lookup") else OneModel(models)
     app = FastAPI(title="dynamo-pd", version="0.1.0")
     metrics = metrics or Metrics()
     app.state.metrics = metrics
@@ -177,31 +214,31 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
 
     @app.get("/ready")
     async def ready() -> Response:
-        if backend.ready():
-            return JSONResponse({"status": "ready"})
+        if models.ready():
+            return JSONResponse({"status": "ready", "models": models.served()})
         return error_response(503, "no workers ready", "service_unavailable")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        backend.refresh_metrics()
+        models.refresh_metrics()
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def list_models() -> Response:
         # A model is listed once a worker serves it: clients that poll this route for readiness (as vLLM's
         # and SGLang's servers allow, which listen only when ready) must not ask before then.
-        if not backend.ready():
+        if not models.ready():
             return error_response(503, "no workers ready", "service_unavailable")
-        return JSONResponse({"object": "list",
-                             "data": [{"id": backend.model_name, "object": "model", "owned_by": "dynamo-pd"}]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "dynamo-pd"}
+                                                        for name in models.served()]})
 
     @app.post("/v1/chat/completions")
     async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
 
-        def tokenize() -> list[int]:
+        def tokenize(tokenizer: Any) -> list[int]:
             try:
-                ids = backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except TemplateError as exc:  # the model's template refuses these messages (roles, order)
                 raise InvalidRequestError(f"the chat template refused the messages: {exc}", "messages") from None
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -210,20 +247,22 @@ def create_app(backend: Backend, config: FrontendConfig, metrics: Metrics | None
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
-        def tokenize() -> list[int]:
-            return list(body.prompt) if isinstance(body.prompt, list) else backend.tokenizer(body.prompt).input_ids
+        def tokenize(tokenizer: Any) -> list[int]:
+            return list(body.prompt) if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
 
         return await serve("completion", body, tokenize, request)
 
-    async def serve(kind: str, body: oai._Common, tokenize: Callable[[], list[int]], http: Request) -> Response:
-        if body.model != backend.model_name:
-            raise HTTPError(404, f"model {body.model!r} does not exist", "invalid_request_error", "model", "model_not_found")
+    async def serve(kind: str, body: oai._Common, tokenize: Callable[[Any], list[int]], http: Request) -> Response:
+        try:
+            backend = models.lookup(body.model)
+        except ModelNotFoundError as exc:
+            raise HTTPError(404, str(exc), "invalid_request_error", "model", "model_not_found") from None
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         try:
-            ids = await _unless_gone(gone, asyncio.to_thread(tokenize))  # a 4 MiB prompt takes seconds
+            ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # a 4 MiB prompt takes seconds
             request = EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=body.sampling(body.logprob_count()),
                                     stop=body.stop_conditions(config.default_max_tokens))
             request.validate()
