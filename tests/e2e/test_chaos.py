@@ -46,6 +46,7 @@ class Row:
     hung: int = 0
     unclear: int = 0  # wrong text, or a stream cut without an error
     blocks_leaked: int = 0
+    held_by: str = ""  # which worker holds the leaked blocks
 
 
 ROWS: list[Row] = []
@@ -148,13 +149,13 @@ def blocks_held(deployment: Deployment) -> dict[str, int]:
     return held
 
 
-async def leaked_blocks(deployment: Deployment, timeout_s: float = 45.0) -> int:
-    """Blocks still held once the workers have had `timeout_s` to free them (hand-off leases expire)."""
+async def leaked_blocks(deployment: Deployment, timeout_s: float = 45.0) -> dict[str, int]:
+    """Blocks each worker still holds once they have had `timeout_s` to free them (hand-off leases expire)."""
     deadline = time.monotonic() + timeout_s
     while True:
         held = await asyncio.to_thread(blocks_held, deployment)
         if held and not any(held.values()) or time.monotonic() > deadline:
-            return sum(held.values())
+            return held
         await asyncio.sleep(0.5)
 
 
@@ -165,7 +166,8 @@ async def record(row: Row, deployment: Deployment, outcomes: list[str], migrated
     row.cancelled, row.unclear = counts["cancelled"], counts["unclear"]
     after = await asyncio.to_thread(migrations, deployment)
     row.migrated = None if after is None else int(after - (migrated_before or 0))
-    row.blocks_leaked = await leaked_blocks(deployment)
+    held = await leaked_blocks(deployment)
+    row.blocks_leaked, row.held_by = sum(held.values()), json.dumps({k: v for k, v in held.items() if v})
     ROWS.append(row)
     return row
 
