@@ -16,12 +16,14 @@ from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_f
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
+from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, EventPlane, connect_discovery, connect_event_plane
 from dynamo_pd.runtime.ports import advertise_host
 from dynamo_pd.runtime.security import configure
-from router.service import KvRouter, RouterConfig
+from router.approx import ApproxKvRouter
+from router.service import RouterConfig
 
 log = logging.getLogger("dynamo_pd.frontend")
 
@@ -41,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="etcd://HOST:PORT, or tcp://HOST:PORT where this frontend hosts embedded discovery")
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--events", default=None, help="nats://HOST:PORT (default: ZMQ)")
+    p.add_argument("--approx-kv-ttl-s", type=float, default=120.0,
+                   help="workers that publish no KV events (--engine http): how long the router predicts a prompt "
+                        "it routed there stays cached")
     add_api_key_args(p)
     add_frontend_args(p)
     add_security_args(p)
@@ -66,9 +71,10 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
             return AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).max_position_embeddings
 
         tokenizer, context_len = await asyncio.to_thread(load)
-        router = KvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
-                                       overlap_weight=args.overlap_weight, temperature=args.router_temperature,
-                                       busy_kv_fraction=args.busy_kv_fraction))
+        router = ApproxKvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
+                                             overlap_weight=args.overlap_weight, temperature=args.router_temperature,
+                                             busy_kv_fraction=args.busy_kv_fraction),
+                                approximate=view.approximate, ttl_s=args.approx_kv_ttl_s)
         backend = RemoteBackend(name, tokenizer, context_len, view, events, router, metrics,
                                 BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
                                               args.inter_token_timeout_s), namespace=args.namespace)
@@ -89,7 +95,7 @@ async def run(args: argparse.Namespace) -> None:
     events = await connect_event_plane(args.events, discovery, host=args.host,
                                        advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
     metrics = Metrics()
-    gateway = Gateway(discovery, backend_factory(args, events, metrics))
+    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics))
     closers[:0] = [gateway.close, events.close, discovery.close]
     if args.model is not None:
         try:

@@ -19,12 +19,14 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
 from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.worker import Role
 
 log = logging.getLogger("dynamo_pd.frontend")
+APPROXIMATE_ENGINES = {"http"}  # engines whose workers publish no KV events
 
 
 class ModelNotFoundError(LookupError):
@@ -46,6 +48,11 @@ class ModelView:
 
     def __getattr__(self, name: str) -> Any:  # everything but watch() is the shared discovery's
         return getattr(self._discovery, name)
+
+    def approximate(self, worker_id: str) -> bool:
+        """The worker publishes no KV events: the router predicts its cache (router.approx)."""
+        info = self.members.get(worker_id)
+        return info is not None and info.engine in APPROXIMATE_ENGINES
 
     def visible(self) -> list[WorkerInfo]:
         return [info for wid, info in self.members.items() if wid not in self.excluded]
@@ -114,8 +121,8 @@ BackendFactory = Callable[[str, str, ModelView], Awaitable[Any]]
 
 
 class Gateway:
-    def __init__(self, discovery: Discovery, make_backend: BackendFactory):
-        self.discovery, self._make_backend = discovery, make_backend
+    def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None):
+        self.discovery, self._make_backend, self.metrics = discovery, make_backend, metrics
         self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -152,8 +159,13 @@ class Gateway:
 
     def refresh_metrics(self) -> None:
         for entry in self.models.values():
-            if entry.backend is not None:
-                entry.backend.refresh_metrics()
+            if entry.backend is None:
+                continue
+            entry.backend.refresh_metrics()
+            approx = getattr(entry.backend.router, "approx", None)
+            for worker_id in entry.backend.workers:
+                if approx is not None and self.metrics is not None and entry.view.approximate(worker_id):
+                    self.metrics.approx_blocks.labels(entry.name, worker_id).set(approx.blocks_of(worker_id))
 
     # ---- membership
 
