@@ -124,14 +124,33 @@ def greedy_and_seeded_cases(deployments: dict[str, Deployment], client_for, prom
     return {name: done[name] + rest[name] for name in deployments}, greedy, seeded
 
 
-def compare(results: dict, greedy: list, seeded: list) -> list:
+def same(a: dict, b: dict, logprob_tol: float = 0.0) -> bool:
+    """Equal text, finish, usage and logprob tokens (the top ones too); logprob values within `logprob_tol`."""
+    if logprob_tol == 0.0:
+        return a == b
+
+    def close(x: float | None, y: float | None) -> bool:
+        return x == y or (x is not None and y is not None and abs(x - y) <= logprob_tol)
+
+    def tokens_close(x: tuple, y: tuple) -> bool:
+        (token_x, lp_x, top_x), (token_y, lp_y, top_y) = x, y
+        top_x, top_y = top_x or {}, top_y or {}
+        return (token_x == token_y and close(lp_x, lp_y) and top_x.keys() == top_y.keys()
+                and all(close(top_x[k], top_y[k]) for k in top_x))
+
+    return ({**a, "logprobs": None} == {**b, "logprobs": None} and len(a["logprobs"]) == len(b["logprobs"])
+            and all(map(tokens_close, a["logprobs"], b["logprobs"])))
+
+
+def compare(results: dict, greedy: list, seeded: list, logprob_tol: float = 0.0) -> list:
     """Print the table of cases per hand-off mode; return the cases that differ from aggregated."""
     rows, differ = [], []
     for mode in [name for name in results if name != "aggregated"]:
         for kind, start, cases in (("greedy x stop", 0, greedy), ("seeded sampled", len(greedy), seeded)):
             pairs = list(zip(results["aggregated"][start:start + len(cases)], results[mode][start:start + len(cases)]))
-            rows.append((mode, kind, len(pairs), sum(a == b for a, b in pairs)))
-            differ += [(mode, body, a, b) for (body, _), (a, b) in zip(cases, pairs) if a != b]
+            equal = [same(a, b, logprob_tol) for a, b in pairs]
+            rows.append((mode, kind, len(pairs), sum(equal)))
+            differ += [(mode, body, a, b) for (body, _), (a, b), eq in zip(cases, pairs, equal) if not eq]
     print("\n" + table(rows))
     return differ
 
@@ -155,11 +174,14 @@ def vllm_up(deployment: Deployment, workers: tuple[str, ...]) -> bool:
         deployment.metric("dynamo_pd_router_indexed_blocks", worker=w) is not None for w in workers)
 
 
+# vLLM's decode side samples the first token again: it computes the last prompt position itself, one
+# row, where the aggregated engine (and the prefill) computed it in the whole prompt's forward pass. Tokens,
+# text, finish and usage are the same; float32 logprobs differ in their last bits (seen: up to 7e-6). Every
+# case that asks for logprobs differed for that alone (9 of 18 greedy, 2 of 4 seeded).
+VLLM_LOGPROB_TOL = 1e-4
+
+
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=False, reason=(
-    "open defect: in the clean-clone CI run of 2026-11-23, 9 of 18 greedy cases and 2 of 4 seeded cases of vLLM "
-    "1P1D differed from aggregated vLLM (shorter completions, e.g. 3 of 12 tokens), while the same flags by hand "
-    "gave the full aggregated text; not diagnosed yet. The native pull/push parity test above is strict."))
 @pytest.mark.nixl
 @pytest.mark.timeout(900)
 def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory, openai_client_factory, monkeypatch):
@@ -178,8 +200,9 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
         for name, workers in (("aggregated", ("aggregated-0",)), ("vllm", ("prefill-0", "decode-0"))):
             deployments[name].wait_for(lambda: vllm_up(deployments[name], workers), 300, "vLLM workers up")
         results, greedy, seeded = greedy_and_seeded_cases(deployments, openai_client_factory, PROMPTS[:2], SEEDS[:2])
-        differ = compare(results, greedy, seeded)
+        differ = compare(results, greedy, seeded, logprob_tol=VLLM_LOGPROB_TOL)
         assert not differ, differ[:3]
+        assert any(r["logprobs"] for r in results["vllm"]), "logprobs compared"
         assert not any(fallbacks(deployments["vllm"]).values()), fallbacks(deployments["vllm"])
     finally:
         codes = {name: d.stop() for name, d in deployments.items()}
