@@ -100,6 +100,14 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-limit", type=int, default=3,
                    help="how often one request may move to another worker when its worker fails (died, stalled, "
                         "drained): retried before its first token, continued from the tokens sent after (0: never)")
+    g.add_argument("--key-requests-per-s", type=float, default=0.0, help="rate limit per API key (0: none)")
+    g.add_argument("--key-tokens-per-s", type=float, default=0.0,
+                   help="rate limit per API key in prompt + max_tokens tokens (0: none)")
+    g.add_argument("--model-requests-per-s", type=float, default=0.0, help="rate limit per model (0: none)")
+    g.add_argument("--model-tokens-per-s", type=float, default=0.0, help="rate limit per model in tokens (0: none)")
+    g.add_argument("--rate-burst-s", type=float, default=1.0, help="a rate limit's bucket holds this many seconds")
+    g.add_argument("--max-queued-requests", type=int, default=0,
+                   help="per model: requests waiting for their first token beyond this are a 503 (0: no cap)")
 
 
 
@@ -110,6 +118,12 @@ def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if not 0 < args.busy_kv_fraction <= 1:
         p.error(f"--busy-kv-fraction must be in (0, 1], got {args.busy_kv_fraction}")
+    for flag in ("key_requests_per_s", "key_tokens_per_s", "model_requests_per_s", "model_tokens_per_s",
+                 "max_queued_requests"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.rate_burst_s <= 0:
+        p.error(f"--rate-burst-s must be > 0, got {args.rate_burst_s}")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
