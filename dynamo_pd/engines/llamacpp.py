@@ -310,7 +310,7 @@ class LlamaCppEngine(Engine):
     # ---- hand-off and load
 
     async def release_handoff(self, request_id: str) -> None:
-        held = self._held.pop(request_id, None)
+        held = self._held.pop(request_id, None)  # None: the lease backstop freed it already
         if held is not None:
             self.pool.free(held[0])
         self._update_stats()
@@ -318,8 +318,9 @@ class LlamaCppEngine(Engine):
     def _expire_held(self) -> None:
         """The backstop for a release that never came (the worker's agent ends every hold before this)."""
         now = time.monotonic()
-        for rid in [rid for rid, (_, end) in self._held.items() if end <= now]:
-            self.pool.free(self._held.pop(rid)[0])
+        for rid, (blocks, end) in list(self._held.items()):  # a copy: release_handoff pops on the event loop
+            if end <= now and self._held.pop(rid, None) is not None:
+                self.pool.free(blocks)
 
     def _update_stats(self) -> None:
         bs = self.config.block_size
