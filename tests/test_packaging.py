@@ -24,7 +24,10 @@ PACKAGES = ("dynamo_pd", "router", "kv_transfer")
 # Modules that need an extra, and the extra; everything else must import with the base install alone.
 NEEDS_EXTRA = {
     "dynamo_pd.engines.vllm": "vllm",
+    "dynamo_pd.engines.vllm_nixl": "vllm",
     "dynamo_pd.engines.sglang": "sglang",
+    "dynamo_pd.engines.llamacpp": "llamacpp",
+    "dynamo_pd.engines.mistralrs": "mistralrs",
     "dynamo_pd.engines.trtllm": "trtllm",
     "dynamo_pd.runtime.discovery_etcd": "etcd",
     "dynamo_pd.runtime.events_nats": "nats",
