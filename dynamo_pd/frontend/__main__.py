@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import signal
 
@@ -17,6 +18,7 @@ from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.frontend.limits import Limit, LimitsConfig
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, EventPlane, connect_discovery, connect_event_plane
@@ -65,7 +67,7 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
 
     async def make(name: str, model_path: str, view: ModelView) -> RemoteBackend:
         def load():
-            from transformers import AutoConfig, AutoTokenizer  # seconds to import: never on the event loop
+            from transformers import AutoConfig, AutoTokenizer
 
             model_dir = resolve_model(model_path or name)
             return AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).max_position_embeddings
@@ -77,7 +79,7 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
                                 approximate=view.approximate, ttl_s=args.approx_kv_ttl_s)
         backend = RemoteBackend(name, tokenizer, context_len, view, events, router, metrics,
                                 BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
-                                              args.inter_token_timeout_s), namespace=args.namespace)
+                                              args.inter_token_timeout_s, args.migration_limit), namespace=args.namespace)
         await backend.start()
         return backend
 
@@ -94,8 +96,13 @@ async def run(args: argparse.Namespace) -> None:
     discovery = await connect_discovery(args.discovery, namespace=check_namespace(args.namespace))
     events = await connect_event_plane(args.events, discovery, host=args.host,
                                        advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
+    # seconds to import, so never on the event loop; and once, before two models' loads race to import it
+    await asyncio.to_thread(importlib.import_module, "transformers")
     metrics = Metrics()
-    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics))
+    limits = LimitsConfig(per_key=Limit(args.key_requests_per_s, args.key_tokens_per_s),
+                          per_model=Limit(args.model_requests_per_s, args.model_tokens_per_s),
+                          burst_s=args.rate_burst_s, max_queued=args.max_queued_requests)
+    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), limits)
     closers[:0] = [gateway.close, events.close, discovery.close]
     if args.model is not None:
         try:

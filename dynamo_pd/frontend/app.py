@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.frontend.gateway import ModelNotFoundError
+from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -60,6 +61,8 @@ class Backend(Protocol):
 class Models(Protocol):
     """The served models and each one's Backend (dynamo_pd.frontend.gateway.Gateway)."""
 
+    limiter: Limiter  # rate limits and queue caps
+
     def served(self) -> list[str]: ...
 
     def ready(self) -> bool: ...
@@ -74,7 +77,7 @@ class OneModel:
     """One backend as Models (an in-process backend, tests)."""
 
     def __init__(self, backend: Backend):
-        self.backend = backend
+        self.backend, self.limiter = backend, Limiter(LimitsConfig())
 
     def served(self) -> list[str]:
         return [self.backend.model_name] if self.backend.ready() else []
@@ -101,15 +104,20 @@ class FrontendConfig:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 retry_after: str = "1"):
         super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
+        self.status, self.type, self.param, self.code, self.retry_after = status, type_, param, code, retry_after
 
 
 def as_http_error(exc: Exception, request_id: str) -> HTTPError:
     """What the client is told about `exc`: its kind, and no internal endpoint or traceback."""
     if isinstance(exc, InvalidRequestError):
         return HTTPError(400, str(exc), "invalid_request_error", exc.param, exc.code)
+    if isinstance(exc, RateLimitedError):
+        return HTTPError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded", retry_after=exc.retry_after)
+    if isinstance(exc, QueueFullError):
+        return HTTPError(503, str(exc), "overloaded_error", code="queue_full")
     if isinstance(exc, OverloadedError):
         return HTTPError(503, str(exc), "overloaded_error", code="overloaded")
     if isinstance(exc, StreamStalledError):
@@ -124,9 +132,10 @@ def as_http_error(exc: Exception, request_id: str) -> HTTPError:
     return HTTPError(500, f"internal error while serving request {request_id}", "server_error")
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   retry_after: str = "1") -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = {"Retry-After": retry_after} if status in (429, 503) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -197,7 +206,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
 
     @app.exception_handler(HTTPError)
     async def http_error(_request: Request, exc: HTTPError):
-        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code)
+        return error_response(exc.status, str(exc), exc.type, exc.param, exc.code, exc.retry_after)
 
     @app.exception_handler(InvalidRequestError)  # raised while reading the body (content parts)
     async def invalid_request(_request: Request, exc: InvalidRequestError):
@@ -258,10 +267,12 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         except ModelNotFoundError as exc:
             raise HTTPError(404, str(exc), "invalid_request_error", "model", "model_not_found") from None
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        key = _client_key(http)
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         try:
+            models.limiter.check(key, body.model, requests=1)
             ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # a 4 MiB prompt takes seconds
             request = EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=body.sampling(body.logprob_count()),
                                     stop=body.stop_conditions(config.default_max_tokens))
@@ -270,7 +281,9 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 raise PromptTooLongError(
                     f"prompt ({len(ids)} tokens) plus max_tokens ({request.stop.max_tokens}) exceeds the "
                     f"model's context of {backend.max_model_len} tokens", "messages" if kind == "chat" else "prompt")
-            stream = _timed(backend.generate(request, RequestContext(rid)), metrics)
+            models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
+            stream = _timed(_queued(backend.generate(request, RequestContext(rid)), models.limiter, body.model),
+                            metrics)
             if body.stream:
                 first = await _unless_gone(gone, anext(stream))  # errors before the first token: HTTP errors
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -301,6 +314,28 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
 
 class _ClientGone(Exception):
     pass
+
+
+def _client_key(http: Request) -> str:
+    """Whom per-key limits count: the API key presented, else the client's address."""
+    auth = http.headers.get("authorization", "")
+    return auth.removeprefix("Bearer ") if auth else f"address:{http.client.host if http.client else ''}"
+
+
+async def _queued(stream: AsyncIterator[EngineOutput], limiter: Limiter, model: str) -> AsyncIterator[EngineOutput]:
+    """`stream`, counted in its model's queue until its first output (QueueFullError when full)."""
+    limiter.enqueue(model)  # here, not before: only a started generator runs its finally
+    waiting = True
+    try:
+        async for out in stream:
+            if waiting:
+                waiting = False
+                limiter.dequeue(model)
+            yield out
+    finally:
+        if waiting:
+            limiter.dequeue(model)
+        await stream.aclose()
 
 
 async def _unless_gone(gone: asyncio.Future, work: Awaitable[T]) -> T:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.frontend.limits import Limiter, LimitsConfig
 from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -121,8 +122,10 @@ BackendFactory = Callable[[str, str, ModelView], Awaitable[Any]]
 
 
 class Gateway:
-    def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None):
+    def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None,
+                 limits: LimitsConfig | None = None):
         self.discovery, self._make_backend, self.metrics = discovery, make_backend, metrics
+        self.limiter = Limiter(limits or LimitsConfig(), metrics)
         self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task] = set()
 
