@@ -203,18 +203,22 @@ class HandoffManager:
                                        kv_endpoint=self.agent.endpoint, handoff_offer=push)
 
     async def serve(self, request: EngineRequest, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
-        """The engine's outputs for `request`, with its hand-off done; returns once it has ended."""
+        """The engine's outputs for `request`, with its hand-off done; returns once it has ended. Every
+        path gives the engine's held blocks back: a pull hold through its on_release, else here."""
         rid = request.request_id
+        held = False  # the engine holds this request's prompt KV for us
         released: asyncio.Event | None = None
         pushing: asyncio.Task | None = None
         try:
             async for out in outputs:
                 handoff = out.handoff
-                if isinstance(handoff, HeldKV) and isinstance(request.handoff, PushHandoff):
-                    out.handoff = request.handoff
-                    pushing = asyncio.create_task(self._push(handoff, out.token_ids[0]))  # while the token streams
-                elif isinstance(handoff, HeldKV):
-                    released, out.handoff = self._hold(handoff)
+                if isinstance(handoff, HeldKV):
+                    held = True
+                    if isinstance(request.handoff, PushHandoff):
+                        out.handoff = request.handoff
+                        pushing = asyncio.create_task(self._push(handoff, out.token_ids[0]))  # while the token streams
+                    else:
+                        released, out.handoff = self._hold(handoff)
                 elif isinstance(handoff, EngineHandoff):
                     handoff.worker_id = self.worker_id
                 out.transfer = self._moved.pop(rid, None)
@@ -225,11 +229,15 @@ class HandoffManager:
                 await pushing  # bounded: the rendezvous by the lease, the push by the transfer timeout
         finally:
             self._moved.pop(rid, None)
-            if released is not None and not released.is_set():
-                self.agent.release(rid)
             if pushing is not None and not pushing.done():
+                # A task cancelled before its first step never runs its body: the blocks are freed below.
                 pushing.cancel()
                 await asyncio.gather(pushing, return_exceptions=True)
+            if released is not None:
+                if not released.is_set():
+                    self.agent.release(rid)  # on_release frees them, after a transfer in flight ends
+            elif held:  # pushed, failed, cancelled, or the hold refused
+                await asyncio.shield(self._engine.release_handoff(rid))
 
     def _hold(self, held: HeldKV) -> tuple[asyncio.Event, PullHandoff]:
         engine, loop = self._engine, asyncio.get_running_loop()
@@ -250,7 +258,7 @@ class HandoffManager:
 
     async def _push(self, held: HeldKV, first_token_id: int) -> None:
         """PREFILL, push: write the prompt's KV and the first token into the blocks the decode side
-        reserved for this request id; the engine's blocks are freed whatever happens."""
+        reserved for this request id; `serve` frees the engine's blocks once this has ended."""
         rid = held.request_id
         try:
             target = await self.agent.wait_push_target(rid, self.times.lease_s)
@@ -258,8 +266,6 @@ class HandoffManager:
             await self.agent.push(target, held.block_ids, payload=_encoder.encode((first_token_id, time.time())))
         except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
             log.warning("push of %s failed: %s", rid, exc)
-        finally:
-            await asyncio.shield(self._engine.release_handoff(rid))
 
     async def load_kv(self, handoff: Handoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
         """DECODE: the engine's kv_loader. Fills `local_block_ids` past the `cached_blocks` it has; returns

@@ -121,8 +121,8 @@ class CoreDriver(Engine):
                 if done:
                     return
         finally:
-            if not done and not aborted:  # the consumer closed the stream or was cancelled
-                self._do(lambda: self._end_request(rid, "abort"))
+            if not done:  # the consumer closed the stream or was cancelled before the final output
+                self._do(lambda: self._abandon(rid))
 
     async def _load(self, request: EngineRequest, order: LoadOrder) -> None:
         rid = request.request_id
@@ -156,6 +156,12 @@ class CoreDriver(Engine):
 
     def _end_request(self, rid: str, reason: str, error: str | None = None) -> None:
         self._emit(self._core.end_request(rid, reason, error))
+
+    def _abandon(self, rid: str) -> None:
+        """Nobody will take `rid`'s final output: abort it, and free the blocks it holds for a hand-off
+        when it finished as prefill_done first (its HeldKV sat undelivered, so no one else frees them)."""
+        self._end_request(rid, "abort")
+        self._core.release_handoff(rid)
 
     def _end_all(self) -> None:
         """Stopping: abort every request and give back every held hand-off."""

@@ -77,7 +77,7 @@ class NativeEngine(CoreDriver):
             try:
                 loop.call_soon_threadsafe(inbox.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
-                self._do(lambda: self._end_request(rid, "abort"))
+                self._do(lambda: self._abandon(rid))
 
         return deliver
 
