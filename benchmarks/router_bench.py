@@ -6,8 +6,10 @@
 Workload: every worker holds whole 256-block (4096-token, block size 16) chains, which all begin with
 the same 16-block system prompt and are each held by about two workers; queries are held chains cut
 at a random block and continued with fresh blocks, so every worker matches the shared prefix and the
-chain's holders match further. Ingest replays BlockStored batches of 16 blocks (one request's step)
-through the whole path: msgpack decode, re-hash of token_ids, engine-hash map, indexer.
+chain's holders match further. Ingest replays BlockStored batches of 16 blocks of 256-block requests spread
+over 64 workers through the whole path: msgpack decode, re-hash of token_ids (skipped for a worker trusted to
+publish the project's hashes), engine-hash map, indexer; Dynamo's Rust RadixTree alongside when importable:
+    PYTHONPATH=<a scratch venv with ai-dynamo-runtime>/lib/python3.11/site-packages python benchmarks/router_bench.py
 """
 
 from __future__ import annotations
@@ -88,31 +90,54 @@ def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Ra
     )
 
 
-def ingest_batches(n_blocks: int, foreign: bool, rng: random.Random) -> list[bytes]:
-    """Batches of one BlockStored of 16 blocks each, chained per 256-block request."""
+INGEST_WORKERS = 64
+
+
+def ingest_requests(n_blocks: int, rng: random.Random) -> list[tuple[list[int], list[int], list[int]]]:
+    """256-block requests as (tokens, local hashes, sequence hashes)."""
     out = []
-    per_event = 16
-    for start in range(0, n_blocks, CHAIN):
+    for _ in range(0, n_blocks, CHAIN):
         tokens = [rng.randrange(50_000) for _ in range(CHAIN * BLOCK)]
-        hashes = sequence_hashes(local_block_hashes(tokens, BLOCK))
-        names = [h.to_bytes(8, "big") + b"engine" for h in hashes] if foreign else hashes
-        for i in range(0, CHAIN, per_event):
-            parent = names[i - 1] if i else None
-            event = BlockStored(
-                names[i : i + per_event], parent, tokens[i * BLOCK : (i + per_event) * BLOCK], BLOCK
-            )
-            out.append(encode_batch([event]))
+        local = local_block_hashes(tokens, BLOCK)
+        out.append((tokens, local, sequence_hashes(local)))
     return out
 
 
-def bench_ingest(n_blocks: int, foreign: bool, rng: random.Random) -> dict:
-    payloads = ingest_batches(n_blocks, foreign, rng)
+def ingest_batches(requests: list, foreign: bool) -> list[tuple[int, int, bytes]]:
+    """(worker, seq, batch) of one BlockStored of 16 blocks each, a request's chain on one of 64 workers."""
+    out, seqs = [], [0] * INGEST_WORKERS
+    for r, (tokens, _, hashes) in enumerate(requests):
+        worker = r % INGEST_WORKERS
+        names = [h.to_bytes(8, "big") + b"engine" for h in hashes] if foreign else hashes
+        for i in range(0, CHAIN, 16):
+            parent = names[i - 1] if i else None
+            event = BlockStored(names[i : i + 16], parent, tokens[i * BLOCK : (i + 16) * BLOCK], BLOCK)
+            out.append((worker, seqs[worker], encode_batch([event])))
+            seqs[worker] += 1
+    return out
+
+
+def bench_ingest(requests: list, kind: str) -> dict:
+    """kind: "foreign" (vLLM's hashes, re-hashed), "native" (project hashes, re-hashed: not trusted),
+    "trusted" (project hashes from a worker registered with kv_project_hashes)."""
+    batches = ingest_batches(requests, kind == "foreign")
     ingestor = EventIngestor(KvIndexer(), BLOCK)
+    for w in range(INGEST_WORKERS):
+        ingestor.trust(w, kind == "trusted")
+    gc.collect()
     t0, c0 = time.perf_counter(), time.thread_time()
-    for seq, payload in enumerate(payloads):
-        ingestor.deliver("w", seq, payload)
+    for worker, seq, payload in batches:
+        ingestor.deliver(worker, seq, payload)
     total, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    # where the time goes: each stage alone over the same batches
+    blocks = ingestor.stats.blocks_stored
+    assert blocks == len(requests) * CHAIN and not ingestor.stats.unknown_parent
+    return dict(kind=kind, blocks=blocks, blocks_s=blocks / total, cpu_blocks_s=blocks / cpu,
+                total_us=total / blocks * 1e6)
+
+
+def bench_ingest_stages(requests: list) -> tuple[float, float, float]:
+    """us per block of decode, re-hash and index, each alone over the foreign batches."""
+    payloads = [p for _, _, p in ingest_batches(requests, True)]
     t0 = time.perf_counter()
     events = [decode_batch(p)[0].events[0] for p in payloads]
     decode = time.perf_counter() - t0
@@ -121,20 +146,36 @@ def bench_ingest(n_blocks: int, foreign: bool, rng: random.Random) -> dict:
     hashing = time.perf_counter() - t0
     indexer = KvIndexer()
     t0 = time.perf_counter()
-    for hashes in project:
-        indexer.store("w", hashes)
+    for i, hashes in enumerate(project):
+        indexer.store(i // (CHAIN // 16) % INGEST_WORKERS, hashes)
     store = time.perf_counter() - t0
-    blocks = ingestor.stats.blocks_stored
-    return dict(
-        kind="foreign hashes (vLLM)" if foreign else "project hashes (native)",
-        blocks=blocks,
-        blocks_s=blocks / total,
-        cpu_blocks_s=blocks / cpu,
-        decode_us=decode / blocks * 1e6,
-        hash_us=hashing / blocks * 1e6,
-        store_us=store / blocks * 1e6,
-        total_us=total / blocks * 1e6,
-    )
+    blocks = len(requests) * CHAIN
+    return decode / blocks * 1e6, hashing / blocks * 1e6, store / blocks * 1e6
+
+
+def bench_dynamo_ingest(requests: list) -> dict | None:
+    """Dynamo's Rust RadixTree (ai-dynamo-runtime, when importable) fed the same chains, pre-encoded."""
+    try:
+        from dynamo._core import RadixTree
+    except ImportError:
+        return None
+    import json
+
+    events = []
+    for r, (_, local, hashes) in enumerate(requests):
+        for i in range(0, CHAIN, 16):
+            blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes[i:i + 16], local[i:i + 16])]
+            data = {"stored": {"parent_hash": hashes[i - 1] if i else None, "blocks": blocks}}
+            events.append((r % INGEST_WORKERS, json.dumps({"event_id": len(events), "data": data}).encode()))
+    tree = RadixTree()
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for worker, payload in events:
+        tree.apply_event(worker, payload)
+    total, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    blocks = len(requests) * CHAIN
+    return dict(kind="dynamo RadixTree", blocks=blocks, blocks_s=blocks / total, cpu_blocks_s=blocks / cpu,
+                total_us=total / blocks * 1e6)
 
 
 def bench_route(workers: int, rng: random.Random, requests: int = 300) -> tuple[float, float]:
@@ -158,6 +199,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--resident", type=int, default=1_000_000, help="resident (worker, block) pairs")
+    parser.add_argument("--ingest-only", action="store_true", help="skip find_matches and route")
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--ingest-blocks", type=int, default=200_000)
@@ -165,20 +207,26 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
-    print(f"event ingest, {args.ingest_blocks} blocks in BlockStored batches of 16 blocks (us per block)")
-    print(
-        "blocks/s by wall clock and by thread CPU time; then us per block of each stage run alone, and in all"
-    )
-    print(
-        f"{'engine hashes':<26}{'blocks/s':>12}{'cpu blk/s':>12}{'decode':>9}{'re-hash':>9}{'index':>9}"
-        f"{'total':>9}"
-    )
-    for foreign in (False, True):
-        r = bench_ingest(args.ingest_blocks, foreign, rng)
-        print(
-            f"{r['kind']:<26}{r['blocks_s']:>12,.0f}{r['cpu_blocks_s']:>12,.0f}{r['decode_us']:>9.2f}{r['hash_us']:>9.2f}"
-            f"{r['store_us']:>9.2f}{r['total_us']:>9.2f}"
-        )
+    requests = ingest_requests(args.ingest_blocks, rng)
+    print(f"event ingest, {len(requests) * CHAIN} blocks: 256-block requests over {INGEST_WORKERS} workers, "
+          f"in BlockStored batches of 16 blocks, through the whole path (decode, re-hash unless trusted, index)")
+    print("blocks/s by wall clock and by thread CPU time (the RadixTree applies events on its own thread)")
+    print(f"{'engine hashes':<36}{'blocks/s':>12}{'cpu blk/s':>12}{'us/block':>10}")
+    rows = [bench_ingest(requests, kind) for kind in ("foreign", "native", "trusted")]
+    rows.append(bench_dynamo_ingest(requests) or dict(kind="dynamo RadixTree: not installed"))
+    labels = {"foreign": "vLLM's hashes, re-hashed", "native": "project hashes, re-hashed (untrusted)",
+              "trusted": "project hashes, trusted"}
+    for r in rows:
+        if "blocks_s" not in r:
+            print(r["kind"])
+            continue
+        print(f"{labels.get(r['kind'], r['kind']):<36}{r['blocks_s']:>12,.0f}{r['cpu_blocks_s']:>12,.0f}"
+              f"{r['total_us']:>10.2f}")
+    decode, hashing, store = bench_ingest_stages(requests)
+    print(f"stages alone, us per block (vLLM's hashes): decode {decode:.2f}, re-hash {hashing:.2f}, "
+          f"index {store:.2f}")
+    if args.ingest_only:
+        return
 
     print(
         f"\nfind_matches, 256-block prompt (4096 tokens), ~{args.resident:,} resident blocks, "

@@ -142,6 +142,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     kv_events_endpoint: str = ""  # ZMQ publisher of KV events ("" when events go over NATS)
     kv_events_replay_endpoint: str = ""  # where a router catches up on missed event batches
     kv_events_subject: str = ""  # NATS subject of KV events ("" when events go over ZMQ)
+    kv_project_hashes: bool = False  # its KV events name blocks by router.hashing's hashes: indexed unhashed
     kv_layout: bytes | None = None  # encoded kv_transfer layout, for compatibility checks
     kv_endpoint: str = ""  # the worker's KV agent side channel ("" for engines without one)
     handoff_offer: HandoffOffer | None = None  # prefill: sent to prefill and decode at once; None: pull-like

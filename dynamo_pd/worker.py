@@ -162,6 +162,7 @@ class Worker:
             info.kv_events_replay_endpoint = extra["kv_events_replay_endpoint"]
             return info
         publisher: PlaneBatchPublisher | ZmqBatchPublisher
+        info.kv_project_hashes = self.engine.project_hashes
         if cfg.events:  # NATS: on the event plane, this process's one connection
             info.kv_events_subject = f"{cfg.namespace}.kv_events.{self.worker_id}"
             publisher = PlaneBatchPublisher(self.events, info.kv_events_subject)

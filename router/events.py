@@ -85,7 +85,32 @@ class _MapBatch(msgspec.Struct):
     data_parallel_rank: int | None = None
 
 
-_fast_decoders = [msgspec.msgpack.Decoder(KVEventBatch), msgspec.msgpack.Decoder(_BatchOfMaps)]
+# What the ingestor decodes: token_ids left as raw msgpack (decoded by `stored_tokens` only when re-hashed),
+# and, for a worker trusted to publish the project's own hashes, those hashes typed as ints.
+class LazyBlockStored(BlockStored, tag="BlockStored"):
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class ProjectBlockStored(LazyBlockStored, tag="BlockStored"):
+    """From a trusted worker, with int hashes: indexed as they are, its tokens never read."""
+
+    block_hashes: list[int]  # type: ignore[assignment]
+    parent_block_hash: int | None  # type: ignore[assignment]
+
+
+class _LazyBatch(KVEventBatch):
+    events: list[Union[LazyBlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+class _ProjectBatch(KVEventBatch):
+    events: list[Union[ProjectBlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+_BatchDecoder = msgspec.msgpack.Decoder
+_fast_decoders = [_BatchDecoder(KVEventBatch), _BatchDecoder(_BatchOfMaps)]
+_ingest_decoders = [_BatchDecoder(_LazyBatch), _BatchDecoder(_BatchOfMaps)]
+_trusted_decoders = [_BatchDecoder(_ProjectBatch), *_ingest_decoders]
+_tokens_decoder = msgspec.msgpack.Decoder(list[int])
 _EVENT_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
@@ -95,7 +120,28 @@ class EventDecodeError(ValueError):
 
 def decode_batch(payload: bytes) -> tuple[KVEventBatch, int]:
     """Decode one batch in any known form; returns (batch, number of unknown events skipped)."""
-    for decoder in _fast_decoders:
+    return _decode(payload, _fast_decoders)
+
+
+def decode_for_ingest(payload: bytes, trusted: bool) -> tuple[KVEventBatch, int]:
+    """`decode_batch` for the ingestor: BlockStored token_ids stay raw (`stored_tokens` reads them), and
+    with `trusted` a BlockStored with int hashes decodes as ProjectBlockStored."""
+    return _decode(payload, _trusted_decoders if trusted else _ingest_decoders)
+
+
+def stored_tokens(event: BlockStored) -> list[int]:
+    """A BlockStored's token ids, decoded now if they were left raw."""
+    tokens = event.token_ids
+    if not isinstance(tokens, msgspec.Raw):
+        return tokens
+    try:
+        return _tokens_decoder.decode(tokens)
+    except msgspec.ValidationError as exc:
+        raise EventDecodeError(f"malformed BlockStored token_ids: {exc}") from exc
+
+
+def _decode(payload: bytes, decoders: list[msgspec.msgpack.Decoder]) -> tuple[KVEventBatch, int]:
+    for decoder in decoders:
         try:
             return decoder.decode(payload), 0
         except msgspec.ValidationError:

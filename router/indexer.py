@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
+from operator import or_
 from typing import Union
 
 import msgspec
@@ -100,11 +102,16 @@ class KvIndexer:
 
     # -- events ----------------------------------------------------------------------------------
     def store(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
-        slot = self._slot(worker)
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._slot(worker)
         bit = 1 << slot
         held = self._held[slot]
         nodes = self._nodes
-        new = [h for h in seq_hashes if h not in held]
+        if not isinstance(seq_hashes, (list, tuple)):
+            seq_hashes = list(seq_hashes)
+        # usually every block is new to the worker: checked in one C call, the map below runs in C too
+        new = seq_hashes if held.isdisjoint(seq_hashes) else [h for h in seq_hashes if h not in held]
         bound = self.max_nodes
         if bound and len(nodes) + len(new) > bound:
             kept = []
@@ -116,9 +123,7 @@ class KvIndexer:
                     self.dropped_blocks += 1
             new = kept
         else:
-            get = nodes.get
-            for h in new:
-                nodes[h] = get(h, 0) | bit
+            nodes.update(zip(new, map(or_, map(nodes.get, new, repeat(0)), repeat(bit))))
         held.update(new)
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:

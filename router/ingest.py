@@ -5,6 +5,8 @@ re-hashes each BlockStored's `token_ids` with router.hashing, chaining from the 
 event's parent (looked up through this worker's map engine-hash -> project sequence hash), so the
 indexer works whatever hash an engine uses. An engine that already uses the project's hashes
 (the native engine) costs no map entries: a hash that equals its project twin is not stored.
+A worker that says at registration that it publishes the project's hashes (WorkerInfo.kv_project_hashes)
+is `trust`ed: its int hashes are indexed as they come, its token_ids never decoded nor re-hashed.
 
 `deliver(worker, seq, payload)` enforces order: the next sequence number is applied, an older one
 is a duplicate (replay overlap) and is skipped, a newer one is a GAP and nothing is applied.
@@ -32,7 +34,9 @@ from router.events import (
     BlockStored,
     EventDecodeError,
     KVEvent,
-    decode_batch,
+    ProjectBlockStored,
+    decode_for_ingest,
+    stored_tokens,
 )
 from router.hashing import local_block_hashes, salt_root, sequence_hashes
 from router.indexer import IndexerSnapshot, KvIndexer, WorkerId
@@ -95,6 +99,14 @@ class EventIngestor:
         self.block_size = block_size
         self.stats = IngestStats()
         self._workers: dict[WorkerId, _WorkerState] = {}
+        self._trusted: set[WorkerId] = set()
+
+    def trust(self, worker: WorkerId, trusted: bool = True) -> None:
+        """Index `worker`'s int block hashes as they come: it publishes the project's own (router.hashing)."""
+        if trusted:
+            self._trusted.add(worker)
+        else:
+            self._trusted.discard(worker)
 
     def expected_seq(self, worker: WorkerId) -> int | None:
         """The next sequence number `worker` should send; None before its first batch."""
@@ -124,7 +136,7 @@ class EventIngestor:
             self.stats.duplicates += 1  # replay and live stream overlap
             delivery = Delivery.DUPLICATE
         else:
-            batch, unknown = decode_batch(payload)
+            batch, unknown = decode_for_ingest(payload, worker in self._trusted)
             self.stats.unknown_events += unknown
             self.apply_events(worker, batch.events)
             state.last_seq = seq
@@ -190,6 +202,7 @@ class EventIngestor:
     def remove_worker(self, worker: WorkerId) -> None:
         self.indexer.remove_worker(worker)
         self._workers.pop(worker, None)
+        self._trusted.discard(worker)
 
     def apply_events(self, worker: WorkerId, events: list[KVEvent]) -> None:
         """Apply decoded events in order (no sequence check: `deliver` does that)."""
@@ -197,31 +210,43 @@ class EventIngestor:
         if state is None:
             state = self._workers[worker] = _WorkerState()
         for event in events:
-            if isinstance(event, BlockStored):
+            if type(event) is ProjectBlockStored:
+                self._store_trusted(worker, event)
+            elif isinstance(event, BlockStored):
                 self._store(worker, state, event)
             elif isinstance(event, BlockRemoved):
                 to_project = state.engine_to_project
-                self.indexer.remove(worker, [to_project.pop(h, h) for h in event.block_hashes])
-                self.stats.blocks_removed += len(event.block_hashes)
+                hashes = event.block_hashes
+                self.indexer.remove(worker, [to_project.pop(h, h) for h in hashes] if to_project else hashes)
+                self.stats.blocks_removed += len(hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.indexer.clear_worker(worker)
                 state.engine_to_project.clear()
                 self.stats.clears += 1
 
+    def _store_trusted(self, worker: WorkerId, event: ProjectBlockStored) -> None:
+        if event.block_size != self.block_size:
+            self._reject(worker, event, -1)
+            return
+        parent = event.parent_block_hash
+        if parent is not None and not self.indexer.holds(worker, parent):
+            self.stats.unknown_parent += 1
+            return
+        self.indexer.store(worker, event.block_hashes)
+        self.stats.blocks_stored += len(event.block_hashes)
+
+    def _reject(self, worker: WorkerId, event: BlockStored, tokens: int) -> None:
+        self.stats.rejected += 1
+        log.warning("worker %s: BlockStored with block_size %d and %s tokens for %d blocks does not fit block "
+                    "size %d: skipped", worker, event.block_size, tokens if tokens >= 0 else "its",
+                    len(event.block_hashes), self.block_size)
+
     def _store(self, worker: WorkerId, state: _WorkerState, event: BlockStored) -> None:
         size = self.block_size
         count = len(event.block_hashes)
-        if event.block_size != size or len(event.token_ids) != count * size:
-            self.stats.rejected += 1
-            log.warning(
-                "worker %s: BlockStored with block_size %d and %d tokens for %d blocks does not "
-                "fit block size %d: skipped",
-                worker,
-                event.block_size,
-                len(event.token_ids),
-                count,
-                size,
-            )
+        tokens = stored_tokens(event)
+        if event.block_size != size or len(tokens) != count * size:
+            self._reject(worker, event, len(tokens))
             return
         parent_hash = event.parent_block_hash
         if parent_hash is None:
@@ -234,7 +259,7 @@ class EventIngestor:
                 else:
                     self.stats.unknown_parent += 1
                     return
-        project = sequence_hashes(local_block_hashes(event.token_ids, size), parent)
+        project = sequence_hashes(local_block_hashes(tokens, size), parent)
         to_project = state.engine_to_project
         for engine_hash, project_hash in zip(event.block_hashes, project):
             if engine_hash != project_hash:

@@ -65,9 +65,11 @@ class Engine(abc.ABC):
     # PREFILL yields HeldKV, DECODE gets a kv_loader; () when the engine moves KV itself (EngineHandoff).
     # publishes_kv_events: the engine publishes its KV events itself, where extra["kv_events_endpoint"]
     # says; else the worker publishes what drain_kv_events() returns. resumes: it honours
-    # EngineRequest.resume_token_ids, so a request migrates to it from a failed worker.
+    # EngineRequest.resume_token_ids, so a request migrates to it from a failed worker. project_hashes: the
+    # events drain_kv_events() returns name blocks by router.hashing's hashes (the router need not re-hash).
     kv_handoffs: tuple[str, ...] = ()
     publishes_kv_events: bool = False
+    project_hashes: bool = False
     resumes: bool = False
 
     @abc.abstractmethod

@@ -40,6 +40,7 @@ class KvEventFollower:
             return
         source = await self._open(info)
         self.forget(info.worker_id)
+        self._ingestor.trust(info.worker_id, info.kv_project_hashes)
         self._tasks[info.worker_id] = asyncio.create_task(self._run(info, source), name=f"kv-events-{info.worker_id}")
 
     async def _open(self, info: WorkerInfo) -> Source:

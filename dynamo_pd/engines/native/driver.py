@@ -42,6 +42,7 @@ class LoadOrder:
 class CoreDriver(Engine):
     kv_handoffs = ("pull", "push")
     resumes = True  # EngineCore.add_request continues resume_token_ids
+    project_hashes = True  # the block manager names blocks by router.hashing (sequence.full_block_hashes)
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None):
         if config.role is EngineRole.DECODE and kv_loader is None:
