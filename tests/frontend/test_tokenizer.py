@@ -1,0 +1,63 @@
+"""The frontend's tokenizer (tokenizers + jinja2): the same ids and text as transformers, and no torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dynamo_pd.frontend.tokenizer import load_tokenizer
+
+MESSAGES = [
+    [{"role": "user", "content": "Hello there! Ünïcödé, emoji 🙂 and\nnew lines."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir):
+    transformers = pytest.importorskip("transformers")
+    return load_tokenizer(model_dir)[0], transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+def test_chat_template_renders_and_tokenizes_as_transformers(pair, messages):
+    ours, theirs = pair
+    text = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(messages, tokenize=False) == text
+    # transformers encodes the rendered text without adding special tokens (the template writes them)
+    assert ours.apply_chat_template(messages) == theirs(text, add_special_tokens=False).input_ids
+
+
+def test_prompts_and_decoding_match_transformers(pair):
+    ours, theirs = pair
+    for text in ("", "plain text", "  leading spaces and <|im_start|> a special token", "日本語のテキスト"):
+        assert ours(text).input_ids == theirs(text).input_ids
+    ids = theirs("Decode me, please: ok?").input_ids
+    assert [ours.decode(i) for i in ids] == [theirs.decode(i) for i in ids]
+    assert ours.decode(ids) == theirs.decode(ids)
+
+
+def test_context_length_comes_from_the_models_config(model_dir):
+    import json
+
+    expected = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert load_tokenizer(model_dir)[1] == expected
+
+
+def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_the_frontend_tokenizes_without_importing_torch(model_dir):
+    code = (
+        "import sys\n"
+        "from dynamo_pd.frontend.tokenizer import load_tokenizer\n"
+        f"tok, _ = load_tokenizer({str(model_dir)!r})\n"
+        "assert tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
