@@ -108,7 +108,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-burst-s", type=float, default=1.0, help="a rate limit's bucket holds this many seconds")
     g.add_argument("--max-queued-requests", type=int, default=0,
                    help="per model: requests waiting for their first token beyond this are a 503 (0: no cap)")
-
+    g.add_argument("--fallback-model", action="append", default=[], metavar="MODEL=FALLBACK",
+                   help="requests for MODEL go to FALLBACK while MODEL cannot take them (no worker ready, circuits "
+                        "open, queue full); the answer names the model that answered (repeatable)")
 
 
 def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -124,6 +126,14 @@ def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.rate_burst_s <= 0:
         p.error(f"--rate-burst-s must be > 0, got {args.rate_burst_s}")
+    for pair in args.fallback_model:
+        model, _, fallback = pair.partition("=")
+        if not model or not fallback or model == fallback:
+            p.error(f"--fallback-model must be MODEL=FALLBACK with two different models, got {pair!r}")
+
+
+def fallbacks_from_args(args: argparse.Namespace) -> dict[str, str]:
+    return dict(pair.partition("=")[::2] for pair in args.fallback_model)
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
@@ -132,8 +142,10 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
     add_frontend_args(p)
     argv = []
     for dest, default in vars(p.parse_args([])).items():
-        if getattr(args, dest) != default:
-            argv += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
+        value = getattr(args, dest)
+        if value != default:
+            for one in value if isinstance(value, list) else [value]:  # repeatable flags: once a value
+                argv += ["--" + dest.replace("_", "-"), str(one)]
     return argv
 
 def parse_passthrough(tokens: list[str]) -> dict:

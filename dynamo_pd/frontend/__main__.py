@@ -12,7 +12,7 @@ import signal
 
 import uvicorn
 
-from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace
+from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace, fallbacks_from_args
 from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_from_args, security_from_args
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
@@ -102,7 +102,8 @@ async def run(args: argparse.Namespace) -> None:
     limits = LimitsConfig(per_key=Limit(args.key_requests_per_s, args.key_tokens_per_s),
                           per_model=Limit(args.model_requests_per_s, args.model_tokens_per_s),
                           burst_s=args.rate_burst_s, max_queued=args.max_queued_requests)
-    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), limits)
+    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), limits,
+                      fallbacks_from_args(args))
     closers[:0] = [gateway.close, events.close, discovery.close]
     if args.model is not None:
         try:

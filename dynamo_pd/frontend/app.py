@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.frontend.gateway import ModelNotFoundError
-from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError
+from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError, client_key, queued
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -70,6 +70,12 @@ class Models(Protocol):
     def lookup(self, name: str) -> Backend:
         """The model's backend; ModelNotFoundError when it is not served."""
 
+    def chain(self, name: str) -> list[str]:
+        """The models to try for `name`, in order: it, then its fallbacks."""
+
+    def fell_back(self, model: str, answered_by: str) -> None:
+        """Count a request for `model` that `answered_by` answered."""
+
     def refresh_metrics(self) -> None: ...
 
 
@@ -89,6 +95,13 @@ class OneModel:
         if name != self.backend.model_name:
             raise ModelNotFoundError(name, self.served())
         return self.backend
+
+    def chain(self, name: str) -> list[str]:
+        self.lookup(name)
+        return [name]
+
+    def fell_back(self, model: str, answered_by: str) -> None:
+        pass
 
     def refresh_metrics(self) -> None:
         self.backend.refresh_metrics()
@@ -112,6 +125,8 @@ class HTTPError(Exception):
 
 def as_http_error(exc: Exception, request_id: str) -> HTTPError:
     """What the client is told about `exc`: its kind, and no internal endpoint or traceback."""
+    if isinstance(exc, ModelNotFoundError):
+        return HTTPError(404, str(exc), "invalid_request_error", "model", "model_not_found")
     if isinstance(exc, InvalidRequestError):
         return HTTPError(400, str(exc), "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, RateLimitedError):
@@ -262,18 +277,21 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         return await serve("completion", body, tokenize, request)
 
     async def serve(kind: str, body: oai._Common, tokenize: Callable[[Any], list[int]], http: Request) -> Response:
-        try:
-            backend = models.lookup(body.model)
-        except ModelNotFoundError as exc:
-            raise HTTPError(404, str(exc), "invalid_request_error", "model", "model_not_found") from None
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        key = _client_key(http)
+        key = client_key(http.headers, http.client.host if http.client else "")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
-        try:
-            models.limiter.check(key, body.model, requests=1)
-            ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # a 4 MiB prompt takes seconds
+        charged = False
+
+        async def start(name: str) -> tuple[Backend, AsyncIterator[EngineOutput], EngineOutput]:
+            """`name`'s backend, its stream and the stream's first output (a model without a ready worker,
+            a full queue or a worker that failed before any output raise, and its fallback is tried)."""
+            nonlocal stream, charged
+            backend = models.lookup(name)
+            if not backend.ready():
+                raise OverloadedError(f"model {name!r} has no worker ready")
+            ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # 4 MiB takes seconds
             request = EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=body.sampling(body.logprob_count()),
                                     stop=body.stop_conditions(config.default_max_tokens))
             request.validate()
@@ -281,19 +299,40 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 raise PromptTooLongError(
                     f"prompt ({len(ids)} tokens) plus max_tokens ({request.stop.max_tokens}) exceeds the "
                     f"model's context of {backend.max_model_len} tokens", "messages" if kind == "chat" else "prompt")
-            models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
-            stream = _timed(_queued(backend.generate(request, RequestContext(rid)), models.limiter, body.model),
-                            metrics)
+            if not charged:  # limits count the model asked for, once
+                models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
+                charged = True
+            stream = _timed(queued(backend.generate(request, RequestContext(rid)), models.limiter, name), metrics)
+            return backend, stream, await _unless_gone(gone, anext(stream))  # errors before it: HTTP errors
+
+        try:
+            chain = models.chain(body.model)
+            models.limiter.check(key, body.model, requests=1)
+            failures: list[Exception] = []
+            for name in chain:
+                try:
+                    backend, stream, first = await start(name)
+                    break
+                except Exception as exc:
+                    if not _unavailable(exc):
+                        raise
+                    failures.append(exc)
+                    if stream is not None:
+                        await stream.aclose()
+                        stream = None
+            else:
+                raise failures[0]  # the error of the model the client asked for
+            if name != body.model:
+                models.fell_back(body.model, name)
+            headers = {"x-dynamo-pd-model": name}
             if body.stream:
-                first = await _unless_gone(gone, anext(stream))  # errors before the first token: HTTP errors
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics)
                 stream, status = None, None  # the response owns it now, and notices a client that leaves
-                return StreamingResponse(sse, media_type="text/event-stream")
-            outputs = await _unless_gone(gone, _collect(stream))
-            if not outputs:
-                raise RuntimeError("the backend returned no output")
-            return JSONResponse(oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs))
+                return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
+            outputs = [first, *await _unless_gone(gone, _collect(stream))]
+            return JSONResponse(oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs),
+                                headers=headers)
         except _ClientGone:  # the request is cancelled everywhere already
             log.info("request %s: the client went away", rid)
             status = "499"
@@ -316,26 +355,11 @@ class _ClientGone(Exception):
     pass
 
 
-def _client_key(http: Request) -> str:
-    """Whom per-key limits count: the API key presented, else the client's address."""
-    auth = http.headers.get("authorization", "")
-    return auth.removeprefix("Bearer ") if auth else f"address:{http.client.host if http.client else ''}"
-
-
-async def _queued(stream: AsyncIterator[EngineOutput], limiter: Limiter, model: str) -> AsyncIterator[EngineOutput]:
-    """`stream`, counted in its model's queue until its first output (QueueFullError when full)."""
-    limiter.enqueue(model)  # here, not before: only a started generator runs its finally
-    waiting = True
-    try:
-        async for out in stream:
-            if waiting:
-                waiting = False
-                limiter.dequeue(model)
-            yield out
-    finally:
-        if waiting:
-            limiter.dequeue(model)
-        await stream.aclose()
+def _unavailable(exc: Exception) -> bool:
+    """The model cannot take the request now (its fallback may): unknown, no worker ready or routable
+    (circuits open), its queue full, or a worker gone or silent before the first output."""
+    return isinstance(exc, (ModelNotFoundError, OverloadedError, QueueFullError)) or (
+        isinstance(exc, RpcError) and not isinstance(exc, RemoteError))
 
 
 async def _unless_gone(gone: asyncio.Future, work: Awaitable[T]) -> T:

@@ -123,9 +123,10 @@ BackendFactory = Callable[[str, str, ModelView], Awaitable[Any]]
 
 class Gateway:
     def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None,
-                 limits: LimitsConfig | None = None):
+                 limits: LimitsConfig | None = None, fallbacks: Mapping[str, str] | None = None):
         self.discovery, self._make_backend, self.metrics = discovery, make_backend, metrics
         self.limiter = Limiter(limits or LimitsConfig(), metrics)
+        self.fallbacks = dict(fallbacks or {})  # model -> the model that answers when it is unavailable
         self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -159,6 +160,20 @@ class Gateway:
         if entry is None or entry.backend is None:
             raise ModelNotFoundError(name, self.served())
         return entry.backend
+
+    def chain(self, name: str) -> list[str]:
+        """`name`, then its fallback, the fallback's fallback, ... (each once); ModelNotFoundError when
+        `name` is neither served nor given a fallback."""
+        if name not in self.fallbacks and (name not in self.models or self.models[name].backend is None):
+            raise ModelNotFoundError(name, self.served())
+        chain = [name]
+        while self.fallbacks.get(chain[-1]) not in (None, *chain):
+            chain.append(self.fallbacks[chain[-1]])
+        return chain
+
+    def fell_back(self, model: str, answered_by: str) -> None:
+        if self.metrics is not None:
+            self.metrics.model_fallbacks.labels(model, answered_by).inc()
 
     def refresh_metrics(self) -> None:
         for entry in self.models.values():

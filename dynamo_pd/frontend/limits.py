@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.protocol import EngineOutput
 
 
 class RateLimitedError(RuntimeError):
@@ -105,3 +106,25 @@ class Limiter:
 
     def dequeue(self, model: str) -> None:
         self.queued[model] -= 1
+
+
+def client_key(headers: Mapping[str, str], address: str) -> str:
+    """Whom per-key limits count: the API key presented, else the client's address."""
+    auth = headers.get("authorization", "")
+    return auth.removeprefix("Bearer ") if auth else f"address:{address}"
+
+
+async def queued(stream: AsyncIterator[EngineOutput], limiter: Limiter, model: str) -> AsyncIterator[EngineOutput]:
+    """`stream`, counted in its model's queue until its first output (QueueFullError when full)."""
+    limiter.enqueue(model)  # here, not before: only a started generator runs its finally
+    waiting = True
+    try:
+        async for out in stream:
+            if waiting:
+                waiting = False
+                limiter.dequeue(model)
+            yield out
+    finally:
+        if waiting:
+            limiter.dequeue(model)
+        await stream.aclose()
