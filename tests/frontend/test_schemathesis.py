@@ -31,7 +31,10 @@ def _reaching_the_engine(case) -> None:
 def test_generated_requests_never_get_a_server_error(small_disagg: Deployment):
     schema = schemathesis.openapi.from_url(small_disagg.url + "/openapi.json")
     server_errors = []
+    seen: dict[str, int] = {}  # status class -> cases, for the summary line
+    operations = 0
     for result in schema.get_all_operations():
+        operations += 1
         operation = result.ok()
         has_body = operation.method.upper() == "POST"  # the others take nothing a negative case could break
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
@@ -42,11 +45,15 @@ def test_generated_requests_never_get_a_server_error(small_disagg: Deployment):
             def check(case) -> None:
                 _reaching_the_engine(case)
                 response = case.call(base_url=small_disagg.url, timeout=120)
+                kind = f"{response.status_code // 100}xx"
+                seen[kind] = seen.get(kind, 0) + 1
                 if response.status_code >= 500:
                     server_errors.append((operation.label, mode.value, case.body, response.status_code,
                                           response.text[:300]))
 
             check()
+    print(f"schemathesis: {operations} operations, {sum(seen.values())} cases: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())) + f"; server errors {len(server_errors)}")
     assert server_errors == []
     assert small_disagg.metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") in (None, 0.0)
 
