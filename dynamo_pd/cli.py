@@ -111,6 +111,10 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fallback-model", action="append", default=[], metavar="MODEL=FALLBACK",
                    help="requests for MODEL go to FALLBACK while MODEL cannot take them (no worker ready, circuits "
                         "open, queue full); the answer names the model that answered (repeatable)")
+    g.add_argument("--health-check-interval-s", type=float, default=10.0,
+                   help="how often each worker gets a canary request (one token); a worker that fails it leaves "
+                        "routing until it passes again (0: no health checks)")
+    g.add_argument("--health-check-timeout-s", type=float, default=10.0, help="a canary slower than this fails")
 
 
 def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -126,6 +130,10 @@ def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.rate_burst_s <= 0:
         p.error(f"--rate-burst-s must be > 0, got {args.rate_burst_s}")
+    if args.health_check_interval_s < 0:
+        p.error(f"--health-check-interval-s must be >= 0, got {args.health_check_interval_s}")
+    if args.health_check_timeout_s <= 0:
+        p.error(f"--health-check-timeout-s must be > 0, got {args.health_check_timeout_s}")
     for pair in args.fallback_model:
         model, _, fallback = pair.partition("=")
         if not model or not fallback or model == fallback:

@@ -18,6 +18,7 @@ from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.frontend.health import HealthConfig
 from dynamo_pd.frontend.limits import Limit, LimitsConfig
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
@@ -103,7 +104,8 @@ async def run(args: argparse.Namespace) -> None:
                           per_model=Limit(args.model_requests_per_s, args.model_tokens_per_s),
                           burst_s=args.rate_burst_s, max_queued=args.max_queued_requests)
     gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), limits,
-                      fallbacks_from_args(args))
+                      fallbacks_from_args(args),
+                      HealthConfig(args.health_check_interval_s, args.health_check_timeout_s))
     closers[:0] = [gateway.close, events.close, discovery.close]
     if args.model is not None:
         try:

@@ -70,6 +70,9 @@ class Models(Protocol):
     def lookup(self, name: str) -> Backend:
         """The model's backend; ModelNotFoundError when it is not served."""
 
+    def health_report(self) -> dict[str, dict]:
+        """Per model: {"ready": bool, ...}."""
+
     def chain(self, name: str) -> list[str]:
         """The models to try for `name`, in order: it, then its fallbacks."""
 
@@ -95,6 +98,9 @@ class OneModel:
         if name != self.backend.model_name:
             raise ModelNotFoundError(name, self.served())
         return self.backend
+
+    def health_report(self) -> dict[str, dict]:
+        return {self.backend.model_name: {"ready": self.backend.ready()}}
 
     def chain(self, name: str) -> list[str]:
         self.lookup(name)
@@ -233,8 +239,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         return error_response(error.status, str(error), error.type, error.param, error.code)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:  # the process is up; each model's readiness beside
+        return {"status": "ok", "models": models.health_report()}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.frontend.health import HealthChecker, HealthConfig
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig
 from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import Discovery, DiscoveryUnavailableError
@@ -123,18 +124,23 @@ BackendFactory = Callable[[str, str, ModelView], Awaitable[Any]]
 
 class Gateway:
     def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None,
-                 limits: LimitsConfig | None = None, fallbacks: Mapping[str, str] | None = None):
+                 limits: LimitsConfig | None = None, fallbacks: Mapping[str, str] | None = None,
+                 health: HealthConfig | None = None):
         self.discovery, self._make_backend, self.metrics = discovery, make_backend, metrics
         self.limiter = Limiter(limits or LimitsConfig(), metrics)
         self.fallbacks = dict(fallbacks or {})  # model -> the model that answers when it is unavailable
+        self.health = health or HealthConfig(interval_s=0.0)
         self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._checker = HealthChecker(self)
 
     async def start(self) -> None:
         self._spawn(self._watch())
+        self._spawn(self._checker.run())  # idle while health.interval_s is 0
 
     async def close(self) -> None:
         await cancel_and_wait(list(self._tasks))
+        await self._checker.close()
         for entry in self.models.values():
             if entry.backend is not None:
                 await entry.backend.close()
@@ -160,6 +166,11 @@ class Gateway:
         if entry is None or entry.backend is None:
             raise ModelNotFoundError(name, self.served())
         return entry.backend
+
+    def health_report(self) -> dict[str, dict]:
+        """Per model: ready (a worker serves requests), its workers, those out of routing (failed health checks)."""
+        return {name: {"ready": entry.ready(), "workers": sorted(entry.view.members),
+                       "unhealthy": sorted(entry.view.excluded)} for name, entry in sorted(self.models.items())}
 
     def chain(self, name: str) -> list[str]:
         """`name`, then its fallback, the fallback's fallback, ... (each once); ModelNotFoundError when
