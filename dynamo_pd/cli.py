@@ -83,6 +83,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     """The frontend's routing and request-handling options; `serve` takes the same ones and forwards
     what it is given (`frontend_argv`)."""
     g = p.add_argument_group("frontend")
+    g.add_argument("--config", default=None, metavar="TOML",
+                   help="models (fallbacks, their own limits), rate limits and health checks from a TOML file "
+                        "(dynamo_pd/frontend/config.py), re-read on SIGHUP; a flag given a non-default value wins")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20)
     g.add_argument("--router-policy", default=RouterConfig.policy, choices=POLICIES,
                    help="time: the least predicted latency, from the costs workers measure (router/policies.py); "
@@ -140,16 +143,17 @@ def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--fallback-model must be MODEL=FALLBACK with two different models, got {pair!r}")
 
 
-def fallbacks_from_args(args: argparse.Namespace) -> dict[str, str]:
-    return dict(pair.partition("=")[::2] for pair in args.fallback_model)
+def frontend_defaults() -> dict:
+    """Every frontend option's default, by its argparse dest."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_frontend_args(p)
+    return vars(p.parse_args([]))
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
     """The frontend options in `args` that differ from their defaults, as flags."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_frontend_args(p)
     argv = []
-    for dest, default in vars(p.parse_args([])).items():
+    for dest, default in frontend_defaults().items():
         value = getattr(args, dest)
         if value != default:
             for one in value if isinstance(value, list) else [value]:  # repeatable flags: once a value

@@ -12,14 +12,13 @@ import signal
 
 import uvicorn
 
-from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace, fallbacks_from_args
+from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace, frontend_defaults
 from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_from_args, security_from_args
 from dynamo_pd.frontend.app import FrontendConfig, create_app
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
+from dynamo_pd.frontend.config import ConfigError, load
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
-from dynamo_pd.frontend.health import HealthConfig
-from dynamo_pd.frontend.limits import Limit, LimitsConfig
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, EventPlane, connect_discovery, connect_event_plane
@@ -60,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.events is not None and not args.events.startswith("nats://"):
         p.error(f"--events must be nats://HOST:PORT, got {args.events!r}")
     check_frontend_args(p, args)
+    try:
+        args.gateway = load(args.config, args, frontend_defaults())
+    except ConfigError as exc:  # one line, before anything starts
+        raise SystemExit(f"error: {exc}") from None
     return args
 
 
@@ -100,12 +103,7 @@ async def run(args: argparse.Namespace) -> None:
     # seconds to import, so never on the event loop; and once, before two models' loads race to import it
     await asyncio.to_thread(importlib.import_module, "transformers")
     metrics = Metrics()
-    limits = LimitsConfig(per_key=Limit(args.key_requests_per_s, args.key_tokens_per_s),
-                          per_model=Limit(args.model_requests_per_s, args.model_tokens_per_s),
-                          burst_s=args.rate_burst_s, max_queued=args.max_queued_requests)
-    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), limits,
-                      fallbacks_from_args(args),
-                      HealthConfig(args.health_check_interval_s, args.health_check_timeout_s))
+    gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), args.gateway)
     closers[:0] = [gateway.close, events.close, discovery.close]
     if args.model is not None:
         try:
@@ -120,12 +118,24 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    loop.add_signal_handler(signal.SIGHUP, reload, args, gateway)
     print(f"dynamo-pd frontend listening on http://{args.host}:{args.port} (discovery {args.discovery})", flush=True)
     try:
         await server.serve()
     finally:
         for close in closers:
             await close()
+
+
+def reload(args: argparse.Namespace, gateway: Gateway) -> None:
+    """SIGHUP: the configuration file again (and the flags over it); a bad one changes nothing."""
+    try:
+        config = load(args.config, args, frontend_defaults())
+    except ConfigError as exc:
+        log.error("reload refused, the configuration in force stays: %s", exc)
+        return
+    gateway.apply(config)
+    log.info("configuration reloaded from %s", args.config or "the flags")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from dynamo_pd.frontend.config import GatewayConfig
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
 from dynamo_pd.frontend.health import HealthChecker, HealthConfig
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig
@@ -124,15 +125,20 @@ BackendFactory = Callable[[str, str, ModelView], Awaitable[Any]]
 
 class Gateway:
     def __init__(self, discovery: Discovery, make_backend: BackendFactory, metrics: GatewayMetrics | None = None,
-                 limits: LimitsConfig | None = None, fallbacks: Mapping[str, str] | None = None,
-                 health: HealthConfig | None = None):
+                 config: GatewayConfig | None = None):
         self.discovery, self._make_backend, self.metrics = discovery, make_backend, metrics
-        self.limiter = Limiter(limits or LimitsConfig(), metrics)
-        self.fallbacks = dict(fallbacks or {})  # model -> the model that answers when it is unavailable
-        self.health = health or HealthConfig(interval_s=0.0)
+        self.limiter = Limiter(LimitsConfig(), metrics)
+        self.fallbacks: dict[str, str] = {}  # model -> the model that answers when it is unavailable
+        self.health = HealthConfig(interval_s=0.0)
+        if config is not None:
+            self.apply(config)
         self.models: dict[str, ModelEntry] = {}
         self._tasks: set[asyncio.Task] = set()
         self._checker = HealthChecker(self)
+
+    def apply(self, config: GatewayConfig) -> None:
+        """A new configuration (a reload): requests in flight keep what they started with."""
+        self.limiter.config, self.fallbacks, self.health = config.limits, dict(config.fallbacks), config.health
 
     async def start(self) -> None:
         self._spawn(self._watch())
