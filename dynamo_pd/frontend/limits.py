@@ -40,7 +40,7 @@ class Limit:
 
 class TokenBucket:
     def __init__(self, rate: float, burst_s: float, now: float):
-        self.rate, self.capacity = rate, max(rate * burst_s, 1.0)
+        self.rate, self.burst_s, self.capacity = rate, burst_s, max(rate * burst_s, 1.0)
         self.level, self._last = self.capacity, now
 
     def wait_s(self, cost: float, now: float) -> float:
@@ -81,7 +81,7 @@ class Limiter:
             for unit, rate, cost in (("requests", limit.requests_per_s, requests), ("tokens", limit.tokens_per_s, tokens)):
                 if rate > 0 and cost > 0:
                     bucket = self._buckets.get((scope, name, unit))
-                    if bucket is None or bucket.rate != rate:
+                    if bucket is None or (bucket.rate, bucket.burst_s) != (rate, cfg.burst_s):  # new, or reloaded
                         bucket = self._buckets[(scope, name, unit)] = TokenBucket(rate, cfg.burst_s, now)
                     wait = bucket.wait_s(cost, now)
                     if wait > 0:
