@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import signal
 
@@ -19,6 +18,7 @@ from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.frontend.gateway import BackendFactory, Gateway, ModelView
 from dynamo_pd.frontend.config import ConfigError, load
 from dynamo_pd.frontend.gateway_metrics import GatewayMetrics
+from dynamo_pd.frontend.tokenizer import load_tokenizer
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from dynamo_pd.runtime import DiscoveryServer, EventPlane, connect_discovery, connect_event_plane
@@ -70,13 +70,7 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
     """How the gateway makes a model's backend: its tokenizer and context from the model's files, its router."""
 
     async def make(name: str, model_path: str, view: ModelView) -> RemoteBackend:
-        def load():
-            from transformers import AutoConfig, AutoTokenizer
-
-            model_dir = resolve_model(model_path or name)
-            return AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).max_position_embeddings
-
-        tokenizer, context_len = await asyncio.to_thread(load)
+        tokenizer, context_len = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(model_path or name)))
         router = ApproxKvRouter(RouterConfig(policy=args.router_policy,  # the block size: the workers' registration
                                              overlap_weight=args.overlap_weight, temperature=args.router_temperature,
                                              busy_kv_fraction=args.busy_kv_fraction),
@@ -100,8 +94,6 @@ async def run(args: argparse.Namespace) -> None:
     discovery = await connect_discovery(args.discovery, namespace=check_namespace(args.namespace))
     events = await connect_event_plane(args.events, discovery, host=args.host,
                                        advertise_host=advertise_host(args.host, args.advertise_host, args.discovery))
-    # seconds to import, so never on the event loop; and once, before two models' loads race to import it
-    await asyncio.to_thread(importlib.import_module, "transformers")
     metrics = Metrics()
     gateway = Gateway(discovery, backend_factory(args, events, metrics), GatewayMetrics(metrics), args.gateway)
     closers[:0] = [gateway.close, events.close, discovery.close]

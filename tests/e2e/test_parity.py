@@ -72,8 +72,10 @@ def run_everywhere(deployments: dict[str, Deployment], client_for, cases: list[t
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    args = {"aggregated": ["--aggregated", "1"], "pull": ["--prefill", "1", "--decode", "1"],
-            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push"]}
+    # no health-check canaries: one would change a batch's shape, and with it the last bits of logprobs
+    quiet = ["--health-check-interval-s", "0"]
+    args = {"aggregated": ["--aggregated", "1", *quiet], "pull": ["--prefill", "1", "--decode", "1", *quiet],
+            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]}
     deployments: dict[str, Deployment] = {}
     errors: list[BaseException] = []
 
@@ -189,7 +191,7 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
     vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
-            "--kv-cache-memory-gb", "0.25"]
+            "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]  # canaries would change batch shapes
     deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
         "aggregated": start_deployment(tmp_path_factory.mktemp("vllm-agg"), "--aggregated", "1", *vllm,
                                        workers_expected=0),
