@@ -215,6 +215,9 @@ class SideChannelClient:
         conn = self._connect(endpoint)
         conn.calls += 1
         try:
+            # a DEALER with no connected peer (down, or a refused CURVE handshake) blocks on send
+            if not await conn.socket.poll(timeout * 1000, zmq.POLLOUT):
+                raise PeerLostError(f"could not send {type(request).__name__} to {endpoint} within {timeout:.1f}s")
             await conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False)
             while True:
                 try:

@@ -24,6 +24,7 @@ from dynamo_pd.runtime.discovery import Change, Snapshot
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError
 from dynamo_pd.runtime.security import DISCOVERY_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from dynamo_pd.runtime.zmq_send import send_now
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class EmbeddedStore:
         body = self._encoder.encode(msg)
         try:
             for _ in range(_SENDS):
-                await self._sock.send(body)
+                # never an awaited send: with no connected peer (down, or a refused CURVE handshake) a
+                # DEALER's send blocks, and only the reply wait below is bounded
+                with contextlib.suppress(zmq.Again):
+                    send_now(self._sock, [body])
                 done, _ = await asyncio.wait({future}, timeout=self._request_timeout_s / _SENDS)
                 if done:
                     return future.result()

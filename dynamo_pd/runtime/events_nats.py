@@ -63,7 +63,9 @@ class NatsEventPlane(EventPlane):
         failed: list[Exception] = []
 
         async def on_error(exc: Exception) -> None:  # nats-py retries a refused login: keep the cause to report
-            failed[:] = [exc]
+            # the server's refusal (nats.errors.Error), not a connection reset between two retries of it
+            if not failed or isinstance(exc, nats.errors.Error) or not isinstance(failed[0], nats.errors.Error):
+                failed[:] = [exc]
             log.warning("NATS %s: %r", url, exc)
 
         try:

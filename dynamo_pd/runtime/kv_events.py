@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 
@@ -140,7 +141,8 @@ class ZmqBatchSource:
         dealer.connect(self.replay_endpoint)
         batches: list[Batch] = []
         try:
-            await dealer.send_multipart([b"", _seq(start_seq)])
+            with contextlib.suppress(zmq.Again):  # no peer yet: the poll below times out
+                send_now(dealer, [b"", _seq(start_seq)])
             while True:
                 # dealer.poll, not asyncio.wait_for: on Python < 3.12 wait_for can swallow a cancellation
                 if not await dealer.poll(self._replay_timeout_s * 1000):

@@ -12,9 +12,27 @@ import pytest
 import uvloop
 
 
-
 def pytest_asyncio_loop_factories(config, item):
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(autouse=True)
+async def _cancel_when_stuck(request):
+    """pytest-timeout's SIGALRM never reaches Python while uvloop waits in epoll, so a test stuck on an
+    await would hang the run: at the same limit the loop itself prints every task's stack and cancels them."""
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        print(f"\n{request.node.nodeid}: still running after the {limit:.0f}s timeout; cancelling", file=sys.stderr)
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stderr)
+            task.cancel()
+
+    limit = float(request.config.getini("timeout") or 0)
+    handle = loop.call_later(limit, expire) if limit else None
+    yield
+    if handle is not None:
+        handle.cancel()
 
 
 class Procs:
