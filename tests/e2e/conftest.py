@@ -67,6 +67,25 @@ class Deployment:
             time.sleep(0.1)
         raise AssertionError(f"{what} not reached within {timeout_s}s; logs in {self.logs}")
 
+    def spawn(self, name: str, command: list[str]) -> None:
+        """Start one process of this deployment, its output in logs/<name>.log."""
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(self.logs / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def models(self) -> set[str]:
+        """The models /v1/models lists (none while the frontend is not up); fails if a process exited."""
+        for name, proc in self.procs.items():
+            assert proc.poll() is None, f"{name} exited: {(self.logs / f'{name}.log').read_text()[-2000:]}"
+        status, body = self.get("/v1/models")
+        return {m["id"] for m in json.loads(body)["data"]} if status == 200 else set()
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        """A greedy completion's text, asked of any OpenAI server (ours, or one we put behind a member)."""
+        status, body = self.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert status == 200, body
+        return body["choices"][0]["text"]
+
     def stop(self) -> dict[str, int]:
         """SIGTERM everything (workers first) and return each process's exit code."""
         for proc in reversed(list(self.procs.values())):

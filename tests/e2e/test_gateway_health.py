@@ -16,7 +16,6 @@ import pytest
 
 from dynamo_pd.runtime.ports import free_port
 from tests.e2e.conftest import Deployment
-from tests.e2e.test_gateway_http import _spawn
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
@@ -32,7 +31,7 @@ def servers(tmp_path_factory):
     for i in range(2):
         port = free_port()
         server = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp(f"llama_server{i}"))
-        _spawn(server, "llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
+        server.spawn("llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
                                         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512",
                                         "--n_threads", "1", "--interrupt_requests", "False"])  # a canary
         # arriving mid-request must queue behind it, not end it (the server's default)
@@ -50,11 +49,11 @@ def deployment(tmp_path_factory, servers):
     port, discovery = free_port(), f"tcp://127.0.0.1:{free_port()}"
     deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp("health"))
     common = ["--discovery", discovery, "--namespace", f"test-{uuid.uuid4().hex[:8]}"]
-    _spawn(deployment, "frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *common,
+    deployment.spawn("frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *common,
                                     "--health-check-interval-s", str(INTERVAL_S),
                                     "--health-check-timeout-s", str(TIMEOUT_S)])
     for i, server in enumerate(servers):
-        _spawn(deployment, f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
+        deployment.spawn(f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
                                          "--url", server.url + "/v1", "--served-model-name", MODEL,
                                          "--worker-id", f"http-{i}", *common])
     yield deployment

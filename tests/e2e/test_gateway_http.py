@@ -6,11 +6,8 @@ marked approximate in metrics; a prefill role is refused in one line."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-import urllib.request
 import uuid
 
 import pytest
@@ -24,12 +21,6 @@ HTTP_MODEL = "smol-llamacpp"
 PROMPT = "The history of the city begins with a small village on the river, where farmers and fishermen lived"
 
 
-def _spawn(deployment: Deployment, name: str, command: list[str]) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(deployment.logs / f"{name}.log", "wb") as log:
-        deployment.procs[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     from dynamo_pd.model_store import default_gguf_path
@@ -37,7 +28,7 @@ def llama_server(tmp_path_factory):
     port = free_port()
     logs = tmp_path_factory.mktemp("llama_server")
     server = Deployment(url=f"http://127.0.0.1:{port}", logs=logs)
-    _spawn(server, "llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
+    server.spawn("llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
                                     "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
                                     "--n_threads", "1", "--model_alias", "smollm2-gguf"])
     server.wait_for(lambda: server.get("/v1/models")[0] == 200, 120, "llama.cpp server up")
@@ -51,15 +42,15 @@ def mixed(tmp_path_factory, llama_server):
     namespace = f"test-{uuid.uuid4().hex[:8]}"
     deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp("mixed"), namespace=namespace)
     common = ["--discovery", discovery, "--namespace", namespace]
-    _spawn(deployment, "frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *common])
+    deployment.spawn("frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *common])
     for i in range(2):
-        _spawn(deployment, f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
+        deployment.spawn(f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
                                          "--url", llama_server.url + "/v1", "--served-model-name", HTTP_MODEL,
                                          "--worker-id", f"http-{i}", *common])
-    _spawn(deployment, "native-0", [sys.executable, "-m", "dynamo_pd.aggregated", "--worker-id", "native-0",
+    deployment.spawn("native-0", [sys.executable, "-m", "dynamo_pd.aggregated", "--worker-id", "native-0",
                                     "--kv-cache-memory-gb", "0.05", *common])
     try:
-        deployment.wait_for(lambda: _served(deployment) == {MODEL, HTTP_MODEL}, 240, "both models served")
+        deployment.wait_for(lambda: deployment.models() == {MODEL, HTTP_MODEL}, 240, "both models served")
     except BaseException:
         deployment.stop()
         raise
@@ -68,28 +59,13 @@ def mixed(tmp_path_factory, llama_server):
     assert all(code == 0 for code in codes.values()), codes
 
 
-def _served(deployment: Deployment) -> set[str]:
-    for name, proc in deployment.procs.items():
-        assert proc.poll() is None, f"{name} exited: {(deployment.logs / f'{name}.log').read_text()[-2000:]}"
-    status, body = deployment.get("/v1/models")
-    return {m["id"] for m in json.loads(body)["data"]} if status == 200 else set()
-
-
-def _direct(server: Deployment, prompt: str, max_tokens: int) -> str:
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    request = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())["choices"][0]["text"]
-
-
 def test_an_openai_server_serves_as_pool_members_with_a_predicted_cache(mixed, llama_server, openai_client_factory):
     approx = {w: lambda w=w: mixed.metric("dynamo_pd_router_approx_blocks", model=HTTP_MODEL, worker=w) or 0
               for w in ("http-0", "http-1")}
     status, body = mixed.post("/v1/completions", {"model": HTTP_MODEL, "prompt": PROMPT, "max_tokens": 12,
                                                   "temperature": 0})
     assert status == 200 and body["model"] == HTTP_MODEL, body
-    assert body["choices"][0]["text"] == _direct(llama_server, PROMPT, 12)  # the server's own answer
+    assert body["choices"][0]["text"] == llama_server.complete(PROMPT, 12)  # the server's own answer
     assert body["usage"]["completion_tokens"] > 0
     chosen = [w for w, blocks in approx.items() if blocks() > 0]
     assert len(chosen) == 1, {w: blocks() for w, blocks in approx.items()}  # the prompt's blocks, predicted there
