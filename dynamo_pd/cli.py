@@ -108,6 +108,12 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="rate limit per API key in prompt + max_tokens tokens (0: none)")
     g.add_argument("--model-requests-per-s", type=float, default=0.0, help="rate limit per model (0: none)")
     g.add_argument("--model-tokens-per-s", type=float, default=0.0, help="rate limit per model in tokens (0: none)")
+    g.add_argument("--key-limit", action="append", default=[], metavar="KEY=RPS[/TPS]",
+                   help="this API key's own limits in requests/s and optionally tokens/s, over the per-key ones "
+                        "(0: none; repeatable)")
+    g.add_argument("--model-limit", action="append", default=[], metavar="MODEL=RPS[/TPS]",
+                   help="this model's own limits in requests/s and optionally tokens/s, over the per-model ones "
+                        "(0: none; repeatable)")
     g.add_argument("--rate-burst-s", type=float, default=1.0, help="a rate limit's bucket holds this many seconds")
     g.add_argument("--max-queued-requests", type=int, default=0,
                    help="per model: requests waiting for their first token beyond this are a 503 (0: no cap)")
@@ -137,10 +143,29 @@ def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--health-check-interval-s must be >= 0, got {args.health_check_interval_s}")
     if args.health_check_timeout_s <= 0:
         p.error(f"--health-check-timeout-s must be > 0, got {args.health_check_timeout_s}")
+    for flag in ("key_limit", "model_limit"):
+        for value in getattr(args, flag):
+            try:
+                parse_limit(value)
+            except ValueError as exc:
+                p.error(f"--{flag.replace('_', '-')}: {exc}")
     for pair in args.fallback_model:
         model, _, fallback = pair.partition("=")
         if not model or not fallback or model == fallback:
             p.error(f"--fallback-model must be MODEL=FALLBACK with two different models, got {pair!r}")
+
+
+def parse_limit(value: str) -> tuple[str, dict[str, float]]:
+    """`NAME=RPS[/TPS]` -> (NAME, its rates as the config file's keys); ValueError saying what is wrong."""
+    name, _, rates = value.partition("=")
+    requests, slash, tokens = rates.partition("/")
+    try:
+        limit = {"requests_per_s": float(requests), **({"tokens_per_s": float(tokens)} if slash else {})}
+    except ValueError:
+        limit = {}
+    if not name or not limit or any(v < 0 or v != v for v in limit.values()):
+        raise ValueError(f"expected NAME=REQUESTS_PER_S[/TOKENS_PER_S] with rates >= 0, got {value!r}")
+    return name, limit
 
 
 def frontend_defaults() -> dict:

@@ -12,11 +12,12 @@ at start and at every reload (so a reload never undoes the command line).
     max_queued = 0                           # --max-queued-requests, per model (0: no cap)
     per_key = { requests_per_s = 2.0 }       # --key-requests-per-s, --key-tokens-per-s
     per_model = { tokens_per_s = 5000.0 }    # --model-requests-per-s, --model-tokens-per-s
-    keys."sk-team-a" = { requests_per_s = 20.0 }   # this API key's own limits
+    keys."sk-team-a" = { requests_per_s = 20.0 }   # this API key's own limits (--key-limit sk-team-a=20)
 
     [models."SmolLM2-135M-Instruct"]
     fallback = "smol-b"                      # --fallback-model SmolLM2-135M-Instruct=smol-b
-    requests_per_s = 5.0                     # this model's own limits (tokens_per_s too)
+    requests_per_s = 5.0                     # this model's own limits, tokens_per_s too
+                                             # (--model-limit SmolLM2-135M-Instruct=5/2000)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamo_pd.cli import parse_limit
 from dynamo_pd.frontend.health import HealthConfig
 from dynamo_pd.frontend.limits import Limit, LimitsConfig
 
@@ -111,7 +113,13 @@ def load(path: str | None, args: argparse.Namespace, flag_defaults: dict[str, An
             for part in where[:-1]:
                 table = table.setdefault(part, {})
             table[where[-1]] = getattr(args, dest)
-    models = raw.get("models", {})
+    for value in args.key_limit:
+        key, limit = parse_limit(value)
+        raw.setdefault("limits", {}).setdefault("keys", {}).setdefault(key, {}).update(limit)
+    models = raw.setdefault("models", {})
+    for value in args.model_limit:
+        model, limit = parse_limit(value)
+        models.setdefault(model, {}).update(limit)
     for pair in args.fallback_model:
         model, _, fallback = pair.partition("=")
         models.setdefault(model, {})["fallback"] = fallback

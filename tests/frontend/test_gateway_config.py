@@ -58,6 +58,25 @@ def test_flags_given_win_over_the_file(tmp_path):
     assert config.health == HealthConfig(interval_s=2.5, timeout_s=3.0)
 
 
+def test_every_limit_in_the_file_is_also_a_flag(tmp_path):
+    from_file = parse(tmp_path, GOOD)[0].gateway.limits
+    flags = parse_args(["--rate-burst-s", "2", "--max-queued-requests", "8", "--key-requests-per-s", "2",
+                        "--key-limit", "sk-vip=2/500", "--model-limit", "a=5"]).gateway.limits
+    assert flags == from_file
+    over = parse(tmp_path, GOOD, "--key-limit", "sk-vip=9", "--model-limit", "b=1/100")[0].gateway.limits
+    assert over.keys == {"sk-vip": Limit(9.0, 500)}  # the flag's rate over the file's, its unset one kept
+    assert over.models == {"a": Limit(5.0, 0.0), "b": Limit(1.0, 100.0)}
+
+
+@pytest.mark.parametrize("flag, value", [("--key-limit", "sk=fast"), ("--key-limit", "=3"),
+                                         ("--model-limit", "a=-1"), ("--model-limit", "a=1/x"), ("--model-limit", "a")])
+def test_a_bad_limit_flag_is_one_line_naming_it(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"error: {flag}: expected NAME=REQUESTS_PER_S[/TOKENS_PER_S] with rates >= 0, got {value!r}" in err
+
+
 @pytest.mark.parametrize("text, message", [
     ("[limits]\nburst_s = 0\n", "limits.burst_s must be a number > 0, got 0"),
     ("[limits]\nper_key = { requests_per_s = -1 }\n", "limits.per_key.requests_per_s must be a number >= 0, got -1"),
