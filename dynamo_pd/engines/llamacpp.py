@@ -37,7 +37,7 @@ from dynamo_pd.engines.native.sequence import Sequence
 from dynamo_pd.engines.token_events import TokenEvents
 from dynamo_pd.handoff import HeldKV
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, default_gguf_path
-from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, PromptTooLongError, Usage
+from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import RequestContext
 from kv_transfer.memory import BlobPool
 from router.events import KVEvent
@@ -249,29 +249,11 @@ class LlamaCppEngine(Engine):
         return token_ids[0], logprobs[0]
 
     def _append(self, seq: Sequence, token: int, logprob, echo: bool = False) -> EngineOutput:
-        """The native engine's rule (native/core.py _append): stop token, EOS, stop string, length."""
-        seq.token_ids.append(token)
-        stop = seq.request.stop
-        finish = stop_reason = None
-        if token in stop.stop_token_ids:
-            finish, stop_reason = "stop", token
-        elif token in self._eog and not stop.ignore_eos:
-            finish = "stop"
-        elif (matched := seq.detokenizer.add(token)) is not None:
-            finish, stop_reason = "stop", matched
-        if finish is None and (len(seq.output_token_ids) >= stop.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            finish = "length"
-        if echo:
-            seq.detokenizer.delta(finished=False)
-        text = seq.detokenizer.delta(finished=finish is not None)
-        if self.role is EngineRole.PREFILL and finish is None:
-            finish = "prefill_done"
-        usage = None if finish is None else Usage(prompt_tokens=seq.num_prompt_tokens,
-                                                  completion_tokens=len(seq.output_token_ids),
-                                                  cached_tokens=seq.num_cached_tokens or 0)
-        return EngineOutput(request_id=seq.request_id, token_ids=[token], text=text,
-                            logprobs=None if logprob is None else [logprob], finish_reason=finish,
-                            stop_reason=stop_reason, usage=usage)
+        out = seq.append(token, logprob, eos_token_ids=self._eog, max_model_len=self.max_model_len,
+                         prefill=self.role is EngineRole.PREFILL, echo=echo)
+        if out.finish_reason is not None:
+            out.usage = seq.usage()
+        return out
 
     def _stage(self, request_id: str, num_tokens: int) -> HeldKV:
         """PREFILL: copy seq 0's state into pool blocks, held until release_handoff or the lease ends."""

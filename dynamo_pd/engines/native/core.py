@@ -30,7 +30,6 @@ from dynamo_pd.protocol import (
     InvalidRequestError,
     PromptTooLongError,
     TokenLogprob,
-    Usage,
 )
 from router.load import StepCosts
 
@@ -187,34 +186,9 @@ class EngineCore:
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, echo: bool = False) -> EngineOutput:
-        """Add a sampled token. `echo`: the first token, sampled and streamed by a prefill worker; its
-        text is what that side streamed by the same holdback rule, so this side's text starts after it."""
-        seq.token_ids.append(token)
-        stop = seq.request.stop
-        finish = stop_reason = None
-        if token in stop.stop_token_ids:
-            finish, stop_reason = "stop", token
-        elif token in self.eos_token_ids and not stop.ignore_eos:
-            finish = "stop"
-        elif (matched := seq.detokenizer.add(token)) is not None:
-            finish, stop_reason = "stop", matched
-        if finish is None and (len(seq.output_token_ids) >= stop.max_tokens
-                               or len(seq.token_ids) >= self.max_model_len):
-            finish = "length"
-        if echo:
-            seq.detokenizer.delta(finished=False)
-        text = seq.detokenizer.delta(finished=finish is not None)
-        if self.role is EngineRole.PREFILL and finish is None:
-            finish = "prefill_done"  # the decode side goes on; a first token that ends the request is the answer
-        out = EngineOutput(
-            request_id=seq.request_id,
-            token_ids=[token],
-            text=text,
-            logprobs=None if logprob is None else [logprob],
-            finish_reason=finish,
-            stop_reason=stop_reason,
-        )
-        if finish is not None:
+        out = seq.append(token, logprob, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                         prefill=self.role is EngineRole.PREFILL, echo=echo)
+        if out.finish_reason is not None:
             self._finish(seq, out)
         return out
 
@@ -222,8 +196,7 @@ class EngineCore:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
         self.step_costs.finished(len(seq.output_token_ids))
-        out.usage = Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
-                          cached_tokens=seq.num_cached_tokens or 0)
+        out.usage = seq.usage()
         if out.finish_reason == "prefill_done":
             seq.status = SequenceStatus.HELD
             self.held[seq.request_id] = (seq, time.monotonic() + self.config.handoff.engine_lease_s)

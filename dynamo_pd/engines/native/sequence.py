@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
-from dynamo_pd.protocol import EngineRequest
+from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from router.hashing import chain_hash, local_hash, salt_root
 
 
@@ -51,6 +51,36 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def append(self, token: int, logprob: TokenLogprob | None, *, eos_token_ids: frozenset[int],
+               max_model_len: int, prefill: bool, echo: bool = False) -> EngineOutput:
+        """Add a sampled token and decide by the one stop rule of the engines run here (native, llama.cpp):
+        stop token, EOS, stop string, then length. `echo`: the first token, sampled and streamed by a
+        prefill worker; its text is what that side streamed by the same holdback rule, so this side's
+        text starts after it. A prefill that does not end the request ends as "prefill_done"."""
+        self.token_ids.append(token)
+        stop = self.request.stop
+        finish = stop_reason = None
+        if token in stop.stop_token_ids:
+            finish, stop_reason = "stop", token
+        elif token in eos_token_ids and not stop.ignore_eos:
+            finish = "stop"
+        elif (matched := self.detokenizer.add(token)) is not None:
+            finish, stop_reason = "stop", matched
+        if finish is None and (len(self.output_token_ids) >= stop.max_tokens or len(self.token_ids) >= max_model_len):
+            finish = "length"
+        if echo:
+            self.detokenizer.delta(finished=False)
+        text = self.detokenizer.delta(finished=finish is not None)
+        if prefill and finish is None:
+            finish = "prefill_done"  # the decode side goes on; a first token that ends the request is the answer
+        return EngineOutput(request_id=self.request_id, token_ids=[token], text=text,
+                            logprobs=None if logprob is None else [logprob], finish_reason=finish,
+                            stop_reason=stop_reason)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=len(self.output_token_ids),
+                     cached_tokens=self.num_cached_tokens or 0)
 
     def full_block_hashes(self, num_blocks: int) -> list[int]:
         """Chained hashes (router.hashing, salted by cache_salt) of the first `num_blocks` full blocks."""
