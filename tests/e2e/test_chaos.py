@@ -315,26 +315,17 @@ async def fault_under_load(deployment: Deployment, name: str, fault) -> None:
     assert outcomes[-4:] == ["completed"] * 4, row  # the deployment serves right after the fault
 
 
-async def test_restart_etcd(on_etcd_nats):
-    deployment, etcd, _ = on_etcd_nats
+@pytest.mark.parametrize("server", ["etcd", "NATS"])
+async def test_restart_a_server(on_etcd_nats, server):
+    deployment, etcd, nats = on_etcd_nats
+    proc = etcd if server == "etcd" else nats
 
     async def fault():
-        etcd.stop()
+        proc.stop()
         await asyncio.sleep(3.0)
-        etcd.start()
+        proc.start()
 
-    await fault_under_load(deployment, "restart etcd (down 3 s)", fault)
-
-
-async def test_restart_nats(on_etcd_nats):
-    deployment, _, nats = on_etcd_nats
-
-    async def fault():
-        nats.stop()
-        await asyncio.sleep(3.0)
-        nats.start()
-
-    await fault_under_load(deployment, "restart NATS (down 3 s)", fault)
+    await fault_under_load(deployment, f"restart {server} (down 3 s)", fault)
 
 
 async def test_event_plane_blackout_of_5_s(on_etcd_nats):
