@@ -36,14 +36,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from kv_transfer.agent import KVTransferAgent
-from kv_transfer.memory import KVMemory
+from kv_transfer.config import TransferConfig
 from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
 from kv_transfer.side_channel import Guard, Plain
-from kv_transfer.transports import TransferConfig
 
 if TYPE_CHECKING:  # protocol.py carries these kinds in its structs
     from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
+    from kv_transfer.agent import KVTransferAgent
 
 log = logging.getLogger("dynamo_pd.handoff")
 _encoder = msgspec.msgpack.Encoder()
@@ -185,6 +184,10 @@ class HandoffManager:
         """After the engine started: an agent over its KV cache when the engine's KV is ours to move."""
         self._engine = engine
         if engine.kv_handoffs:
+            # here, not at the top: the frontend imports this module for the hand-off types, without torch
+            from kv_transfer.agent import KVTransferAgent
+            from kv_transfer.memory import KVMemory
+
             memory = KVMemory.native(engine.kv_cache, model_name)
             config = dataclasses.replace(self.times.transfer_config(self._transport), **self._place)
             self.agent = KVTransferAgent(self.worker_id, memory, config)

@@ -7,18 +7,20 @@ handing prefilled KV blocks from one worker to another. A library: imports nothi
 See kv_transfer.agent for the hand-off protocol, kv_transfer.layout for layouts.
 """
 
-from kv_transfer.agent import KVTransferAgent
-from kv_transfer.convert import copy_tokens
-from kv_transfer.layout import ENGINE_LAYOUTS, KVLayout
-from kv_transfer.memory import KVMemory
-from kv_transfer.protocol import (
-    BlocksFreedError, CompatError, LeaseExpiredError, PeerLostError, ReleaseReason, TransferDescriptor,
-    TransferError,
-)
-from kv_transfer.transports import TransferConfig
+import importlib
 
-__all__ = [
-    "ENGINE_LAYOUTS", "BlocksFreedError", "CompatError", "KVLayout", "KVMemory", "KVTransferAgent",
-    "LeaseExpiredError", "PeerLostError", "ReleaseReason", "TransferConfig", "TransferDescriptor",
-    "TransferError", "copy_tokens",
-]
+# name -> its module, imported on first use: `import kv_transfer.protocol` (the frontend, for the hand-off
+# types) must not load the agent and its transports, which bring torch
+_EXPORTS = {
+    "KVTransferAgent": "agent", "copy_tokens": "convert", "ENGINE_LAYOUTS": "layout", "KVLayout": "layout",
+    "KVMemory": "memory", "TransferConfig": "config", **{name: "protocol" for name in (
+        "BlocksFreedError", "CompatError", "LeaseExpiredError", "PeerLostError", "ReleaseReason",
+        "TransferDescriptor", "TransferError")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kv_transfer.{_EXPORTS[name]}"), name)

@@ -45,10 +45,9 @@ from kv_transfer.protocol import (
     Begin, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError, ReleaseReason,
     Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
 )
+from kv_transfer.config import TransferConfig
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer, max_message_bytes
-from kv_transfer.transports import (
-    ByteSink, TransferConfig, block_frames, make_transport, stream_frames, to_the_end,
-)
+from kv_transfer.transports import ByteSink, block_frames, make_transport, stream_frames, to_the_end
 
 log = logging.getLogger(__name__)
 

@@ -38,22 +38,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 AXES = "LKBTHD"
 HASH_VERSION = 1
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,
-}
+# KV dtype -> bytes per element; by name, so layouts are read without torch (the frontend never loads it)
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 # engine name -> (order, buffer_per_layer); see the table in the module docstring.
 ENGINE_LAYOUTS: dict[str, tuple[str, bool]] = {
@@ -86,8 +84,8 @@ class KVLayout(msgspec.Struct, frozen=True):
             raise ValueError(f"order {self.order!r} must be a permutation of {AXES!r}")
         if self.buffer_per_layer and self.order[0] != "L":
             raise ValueError(f"buffer_per_layer needs L outermost, got order {self.order!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.dtype not in ITEMSIZE:
+            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(ITEMSIZE)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -119,7 +117,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype].itemsize
+        return ITEMSIZE[self.dtype]
 
     def axis_sizes(self) -> dict[str, int]:
         return {
@@ -218,10 +216,10 @@ def _compat_hash(model: str, dtype: str, num_layers: int, head_dim: int, heads_t
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(DTYPES)}")
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {sorted(ITEMSIZE)}")
+    return name
 
 
 def block_regions(layout: KVLayout, block_ids: np.ndarray) -> np.ndarray:

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.layout import AXES, DTYPES, KVLayout
+from kv_transfer.layout import AXES, KVLayout
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8,
+}
 
 
 @dataclass

@@ -53,6 +53,7 @@ def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path):
 def test_the_frontend_tokenizes_without_importing_torch(model_dir):
     code = (
         "import sys\n"
+        "import dynamo_pd.frontend.__main__, dynamo_pd.frontend.app, dynamo_pd.frontend.gateway\n"
         "from dynamo_pd.frontend.tokenizer import load_tokenizer\n"
         f"tok, _ = load_tokenizer({str(model_dir)!r})\n"
         "assert tok.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
