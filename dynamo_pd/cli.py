@@ -23,7 +23,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (native engine)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="the KV cache's size in GiB (default 1)")
+    size.add_argument("--kv-cache-memory-fraction", type=float, default=None, metavar="F",
+                      help="instead: this fraction (0 < F <= 1) of the memory free when the worker starts (the "
+                           "host's MemAvailable; on CUDA the device's free memory); serve splits it between workers")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -53,6 +57,19 @@ def _positive(name: str, value: float | int | None) -> None:
         raise SystemExit(f"error: {name} must be positive, got {value}")
 
 
+def free_memory_bytes(device: str) -> int:
+    """Memory free now: the CUDA device's, else the host's MemAvailable (what can be had without swapping)."""
+    if device.startswith("cuda"):
+        import torch  # a worker's import anyway; the frontend never gets here
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise SystemExit("error: --kv-cache-memory-fraction: /proc/meminfo has no MemAvailable; give --kv-cache-memory-gb")
+
+
 def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[str]) -> EngineConfig:
     if args.engine not in engine_names():
         raise SystemExit(f"error: --engine {args.engine!r} is unknown; choose one of {', '.join(engine_names())}")
@@ -63,13 +80,18 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
     for flag in ("block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "handoff_lease_s"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    kv_gb = args.kv_cache_memory_gb
+    if args.kv_cache_memory_fraction is not None:
+        if not 0 < args.kv_cache_memory_fraction <= 1:
+            raise SystemExit(f"error: --kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
+        kv_gb = args.kv_cache_memory_fraction * free_memory_bytes(args.device) / 2**30
     return EngineConfig(
         role=role,
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         block_size=args.block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_gb=kv_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -100,6 +100,8 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
     # Every worker runs on this host: a fraction of its memory is the deployment's, split evenly
     # (the last --gpu-memory-utilization on a worker's command line wins).
     share = ["--gpu-memory-utilization", f"{args.memory_fraction / count:.4g}"] if args.memory_fraction else []
+    if args.kv_cache_memory_fraction:  # the workers start together and see the same free memory
+        share += ["--kv-cache-memory-fraction", f"{args.kv_cache_memory_fraction / count:.4g}"]
     common = ["--discovery", discovery, "--kv-transport", args.kv_transport, "--kv-handoff", args.kv_handoff, *plane]
     if args.engine == "mocker":  # mockers compute nothing: each role's workers share one process
         workers = [[sys.executable, "-m", "dynamo_pd.mocker", "--workers", str(n), "--role", role, "--worker-id", role,

@@ -37,6 +37,21 @@ def test_a_memory_fraction_is_split_between_the_workers_on_this_host():
     assert alone.extra["gpu_memory_utilization"] == 0.8
 
 
+def test_a_kv_cache_fraction_of_free_memory_is_sized_when_the_worker_starts_and_split_between_workers():
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    sizes = [c.kv_cache_memory_gb for c in worker_configs("--prefill", "1", "--decode", "1",
+                                                          "--kv-cache-memory-fraction", "0.2")]
+    for gb in sizes:  # 0.1 of what is free each (free memory moves a little between two reads)
+        assert abs(gb * 2**30 / available - 0.1) < 0.02, (gb, available)
+    done = serve("--kv-cache-memory-fraction", "0.5", "--kv-cache-memory-gb", "2", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--kv-cache-memory-gb: not allowed with argument --kv-cache-memory-fraction" in done.stderr
+    for bad in ("0", "1.5"):
+        done = serve("--kv-cache-memory-fraction", bad, timeout=60)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1] == f"error: --kv-cache-memory-fraction must be in (0, 1], got {float(bad)}"
+
+
 
 def test_frontend_options_reach_the_frontend_only_and_bad_ones_stop_serve_at_once():
     options, engine_argv = parse_args(["--router-policy", "round_robin", "--inter-token-timeout-s", "30",
