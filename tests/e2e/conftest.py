@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import uuid
@@ -124,6 +126,33 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
         deployment.stop()
         raise
     return deployment
+
+
+@contextlib.contextmanager
+def with_openai_members(logs: Path, server_url: str, model: str, members: int, *frontend_args: str):
+    """A frontend, `members` `--engine http` workers putting the OpenAI server at `server_url` behind `model`,
+    and a native worker of MODEL beside them; yields once both models are served, and on leaving checks that
+    every process exits cleanly."""
+    port, discovery = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=logs, namespace=namespace)
+    common = ["--discovery", discovery, "--namespace", namespace]
+    deployment.spawn("frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *frontend_args,
+                                  *common])
+    for i in range(members):
+        deployment.spawn(f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http", "--url",
+                                       server_url + "/v1", "--served-model-name", model, "--worker-id", f"http-{i}",
+                                       *common])
+    deployment.spawn("native-0", [sys.executable, "-m", "dynamo_pd.aggregated", "--worker-id", "native-0",
+                                  "--kv-cache-memory-gb", "0.05", *common])
+    try:
+        deployment.wait_for(lambda: deployment.models() == {MODEL, model}, 240, "both models served")
+    except BaseException:
+        deployment.stop()
+        raise
+    yield deployment
+    codes = deployment.stop()
+    assert all(code == 0 for code in codes.values()), codes
 
 
 def workers_registered(deployment: Deployment) -> int:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from tests.e2e.conftest import MODEL, Deployment
+from tests.e2e.conftest import MODEL, Deployment, with_openai_members
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
@@ -38,25 +37,8 @@ def llama_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, llama_server):
-    port, discovery = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp("mixed"), namespace=namespace)
-    common = ["--discovery", discovery, "--namespace", namespace]
-    deployment.spawn("frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port), *common])
-    for i in range(2):
-        deployment.spawn(f"http-{i}", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
-                                         "--url", llama_server.url + "/v1", "--served-model-name", HTTP_MODEL,
-                                         "--worker-id", f"http-{i}", *common])
-    deployment.spawn("native-0", [sys.executable, "-m", "dynamo_pd.aggregated", "--worker-id", "native-0",
-                                    "--kv-cache-memory-gb", "0.05", *common])
-    try:
-        deployment.wait_for(lambda: deployment.models() == {MODEL, HTTP_MODEL}, 240, "both models served")
-    except BaseException:
-        deployment.stop()
-        raise
-    yield deployment
-    codes = deployment.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    with with_openai_members(tmp_path_factory.mktemp("mixed"), llama_server.url, HTTP_MODEL, 2) as deployment:
+        yield deployment
 
 
 def test_an_openai_server_serves_as_pool_members_with_a_predicted_cache(mixed, llama_server, openai_client_factory):

