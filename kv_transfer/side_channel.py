@@ -215,10 +215,14 @@ class SideChannelClient:
         conn = self._connect(endpoint)
         conn.calls += 1
         try:
-            # a DEALER with no connected peer (down, or a refused CURVE handshake) blocks on send
-            if not await conn.socket.poll(timeout * 1000, zmq.POLLOUT):
-                raise PeerLostError(f"could not send {type(request).__name__} to {endpoint} within {timeout:.1f}s")
-            await conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False)
+            # A DEALER with no peer pipe (down, or a refused CURVE handshake) blocks on send. A POLLOUT
+            # check first is not enough: the pipe can vanish between the poll and the send.
+            try:
+                await asyncio.wait_for(
+                    conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False), timeout)
+            except asyncio.TimeoutError:
+                raise PeerLostError(
+                    f"could not send {type(request).__name__} to {endpoint} within {timeout:.1f}s") from None
             while True:
                 try:
                     kind, rest = await asyncio.wait_for(queue.get(), timeout)
