@@ -4,10 +4,12 @@
     router.add_worker("p0", Role.PREFILL, capacity_blocks=4096, block_size=16)  # its KV events: router.ingestor
     placement = router.place(request_id, token_ids, local_prefill_tokens=0)   # Placement, or Overloaded
     placement.decode, placement.prefill     # where it runs: RouteDecisions (prefill None: decode prefills)
-    placement.first_token()                 # its life: the first token, a worker's failure, the end
-    placement.failed(Role.PREFILL); placement.finished()
+    placement.first_token()                 # its life, the one object the frontend reports it to:
+    placement.succeeded(Role.PREFILL)       #   a worker did its part (its circuit breaker resets)
+    placement.failed(Role.DECODE)           #   a worker broke it: its load leaves, its breaker trips
+    placement.finished()                    #   the end: every worker's load for it leaves
     router.update_load_metrics(LoadMetrics(...))
-    router.worker_failed("d0"); router.worker_succeeded("d0")   # its circuit breaker (router.breaker)
+    router.worker_failed("d0")              # the circuit breaker (router.breaker) beneath succeeded / failed
     router.place(..., exclude={"d0"})       # a retry or a migration: not on the workers that failed it
 
 Pools (router.worker.Role): PREFILL (overlap + load), DECODE (load; overlap too when `local_prefill`,
@@ -126,9 +128,15 @@ class Placement:
         """The client has its first token: the prompt is computed, and its pending prefill leaves the load."""
         self._router.mark_prefill_done(self.request_id)
 
-    def failed(self, role: Role) -> None:
-        """That worker failed the request (the frontend goes on without it): its load leaves now."""
+    def succeeded(self, role: Role) -> None:
+        """That worker did its part (a prefill handed off, a stream ended well): its breaker resets."""
+        self._router.worker_succeeded(self.routes[role].worker_id)
+
+    def failed(self, role: Role) -> float:
+        """That worker broke the request (the frontend goes on without it): its load leaves now, and it
+        stays out of routing for the seconds returned (router.breaker)."""
         self._router.mark_finished(self.request_id, role)
+        return self._router.worker_failed(self.routes[role].worker_id)
 
     def finished(self) -> None:
         """Done, aborted or failed: every worker's predicted load for it leaves (again is harmless)."""
@@ -188,8 +196,8 @@ class KvRouter:
 
     def worker_failed(self, worker_id: WorkerId) -> float:
         """A worker broke a request (died, stalled, its stream dropped): out of routing for a while
-        (returned, in seconds), longer with each failure in a row."""
-        return self.breaker.failed(worker_id)
+        (returned, in seconds), longer with each failure in a row. One that left is not remembered."""
+        return self.breaker.failed(worker_id) if worker_id in self._pool_of else 0.0
 
     def worker_succeeded(self, worker_id: WorkerId) -> None:
         self.breaker.succeeded(worker_id)

@@ -16,8 +16,9 @@ Disaggregated path of one request:
 A remote prefill or a transfer that fails falls back to local prefill on the decode worker
 (counted in dynamo_pd_prefill_fallbacks) or fails the request, as configured; a decode (or
 aggregated) worker that fails it is kept out of routing for a while (the router's circuit breaker)
-and the request retried elsewhere before its first token, migrated after (frontend/migration.py). The placement hears
-the client's first token, a failed prefill and the end, so the router's load follows the request.
+and the request retried elsewhere before its first token, migrated after (frontend/migration.py). The
+placement is the one object the request's life is told to: the client's first token, each worker's
+success or failure (its load and circuit breaker) and the end, so the router's load follows the request.
 Workers register their KV block size; the first one sets the router's, and a worker with another
 is refused (an ERROR line, dynamo_pd_workers_refused{reason="block_size"}).
 """
@@ -175,8 +176,9 @@ class RemoteBackend:
                 except WorkerFailure as failure:
                     if journey.finished:  # the client has the whole answer; only the stream's end was lost
                         return
+                    out_s = placement.failed(placement.decode.pool)  # the failure is the streaming worker's
                     placement.finished()
-                    placement, attempt = self._move(journey, failure)
+                    placement, attempt = self._move(journey, failure, out_s)
         finally:
             placement.finished()
 
@@ -192,10 +194,9 @@ class RemoteBackend:
         return self.router.place(request.request_id, tokens, request.cache_salt, local_prefill_tokens=local,
                                  exclude=exclude), request
 
-    def _move(self, journey: Journey, failure: WorkerFailure) -> tuple[Placement, EngineRequest]:
-        """Keep the failed worker out for a while and place the request anew; raise the worker's error
-        when the request cannot move."""
-        out_s = self.router.worker_failed(failure.worker_id)
+    def _move(self, journey: Journey, failure: WorkerFailure, out_s: float) -> tuple[Placement, EngineRequest]:
+        """Place the request anew (the failed worker is out of routing for `out_s`); raise the worker's
+        error when the request cannot move."""
         rid, kind = journey.request.request_id, "migration" if journey.sent else "retry"
         why = journey.why_not(failure)
         if why is None:
@@ -230,7 +231,7 @@ class RemoteBackend:
                 placement.first_token()
                 first = False
             yield journey.sent_output(out)
-        self.router.worker_succeeded(decode.worker_id)
+        placement.succeeded(decode.pool)
 
     async def _stream(self, placement: Placement, role: Role, request: EngineRequest, context: RequestContext,
                       first_response_timeout_s: float | None = None) -> AsyncIterator[EngineOutput]:
@@ -276,8 +277,6 @@ class RemoteBackend:
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
             except (RpcError, RuntimeError, StopAsyncIteration) as exc:
                 placement.failed(Role.PREFILL)
-                if isinstance(exc, WorkerFailure):
-                    self.router.worker_failed(exc.worker_id)
                 if decode_stream is not None:  # the decode worker frees what it reserved
                     await cancel_and_wait([decode_started])
                     await decode_stream.aclose()
@@ -286,7 +285,7 @@ class RemoteBackend:
                 async for out in self._fallback(placement, request, context, None, "prefill_failed", exc):
                     yield out
                 return
-            self.router.worker_succeeded(placement.prefill.worker_id)
+            placement.succeeded(Role.PREFILL)
             if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
                 yield first
                 return

@@ -41,8 +41,9 @@ def test_a_disaggregated_placement_books_the_prompt_on_prefill_and_the_blocks_on
     assert load(router, "p0") == (len(PROMPT), 10, 1) and load(router, "d0") == (0, 10, 1)  # KV arrives by transfer
     placement.first_token()
     assert load(router, "p0") == (0, 10, 1)
-    placement.failed(Role.DECODE)  # one worker's failure frees only its load
+    assert placement.failed(Role.DECODE) == 1.0  # one worker's failure frees only its load, and trips its breaker
     assert load(router, "d0") == (0, 0, 0) and load(router, "p0") == (0, 10, 1)
+    assert router.breaker.is_open("d0") and not router.breaker.is_open("p0")
     placement.finished()
     placement.finished()  # again is harmless
     assert load(router, "p0") == (0, 0, 0)
@@ -79,3 +80,17 @@ def test_the_block_size_is_the_first_workers_and_another_is_refused():
     router.remove_worker("d0")  # the pool emptied: the next workers may bring another size
     router.add_worker("p0", Role.PREFILL, 100, block_size=16)
     assert router.block_size == 16
+
+
+def test_a_workers_success_closes_its_breaker_and_a_gone_workers_failure_is_forgotten():
+    router = deployment(decode=2)
+    first = router.place("r1", PROMPT)
+    first.failed(Role.PREFILL)
+    assert router.breaker.is_open("p0")
+    second = router.place("r2", PROMPT)  # the only prefill worker sits in anyway: the whole pool is out
+    assert second.prefill.worker_id == "p0"
+    second.succeeded(Role.PREFILL)
+    assert not router.breaker.is_open("p0")
+    router.remove_worker(second.decode.worker_id)
+    assert second.failed(Role.DECODE) == 0.0  # it left: nothing to keep out
+    assert not router.breaker.is_open(second.decode.worker_id)
