@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from dynamo_pd.engines.base import EngineConfig, EngineRole, EngineUnavailableError, engine_names, load_engine_class
+from dynamo_pd.engines.base import EngineConfig, EngineRole, EngineUnavailableError, check_installed, engine_names
 from dynamo_pd.handoff import HandoffTimes
 from router.service import POLICIES, RouterConfig
 
@@ -74,7 +74,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
     if args.engine not in engine_names():
         raise SystemExit(f"error: --engine {args.engine!r} is unknown; choose one of {', '.join(engine_names())}")
     try:
-        load_engine_class(args.engine)  # a missing package is one line now, not a traceback later
+        check_installed(args.engine)  # a missing package is one line now, not a traceback later
     except EngineUnavailableError as exc:
         raise SystemExit(f"error: {exc}") from None
     for flag in ("block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

