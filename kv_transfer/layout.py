@@ -7,7 +7,7 @@ A KV cache holds, logically, a tensor indexed by six axes:
 Engines store those axes in different physical orders; `KVLayout.order` names that order,
 outermost first, and `buffer_per_layer` says whether each layer lives in its own tensor:
 
-    native engine     one tensor  [L, 2, B, T, H, D]             order "LKBTHD"
+    native engine     one tensor  [B, L, 2, T, H, D] (a block's layers together)  order "BLKTHD"
     vllm-flash        per layer   [2, B, T, H, D]  (FlashAttn)   order "LKBTHD", per layer
     vllm-flash-hnd    per layer   [2, B, H, T, D]                order "LKBHTD", per layer
     vllm-flashinfer   per layer   [B, 2, T, H, D]                order "LBKTHD", per layer
@@ -55,7 +55,7 @@ ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e
 
 # engine name -> (order, buffer_per_layer); see the table in the module docstring.
 ENGINE_LAYOUTS: dict[str, tuple[str, bool]] = {
-    "native": ("LKBTHD", False),
+    "native": ("BLKTHD", False),
     "vllm-flash": ("LKBTHD", True),
     "vllm-flash-hnd": ("LKBHTD", True),
     "vllm-flashinfer": ("LBKTHD", True),
@@ -105,11 +105,14 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @classmethod
     def native(cls, kv_cache: torch.Tensor, model: str) -> KVLayout:
-        """Layout of the native engine's cache tensor [L, 2, num_blocks, block_size, H, D]."""
+        """Layout of a native-style cache tensor, indexed [L, 2, B, T, H, D] and laid out in memory in
+        that order or any other (its strides tell): the native engine's is block-major, "BLKTHD", so a
+        block is one region and scattered blocks move without packing."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-            raise ValueError(f"native kv_cache must be [L, 2, B, T, H, D], got {tuple(kv_cache.shape)}")
+            raise ValueError(f"native kv_cache must be indexed [L, 2, B, T, H, D], got {tuple(kv_cache.shape)}")
         layers, _, blocks, block_size, heads, head_dim = kv_cache.shape
-        return cls(model, layers, heads, head_dim, block_size, blocks, dtype_name(kv_cache.dtype))
+        return cls(model, layers, heads, head_dim, block_size, blocks, dtype_name(kv_cache.dtype),
+                   order=memory_order(kv_cache))
 
     @property
     def heads_total(self) -> int:
@@ -213,6 +216,17 @@ def _outer_offsets(layout: KVLayout) -> np.ndarray:
 def _compat_hash(model: str, dtype: str, num_layers: int, head_dim: int, heads_total: int) -> int:
     key = (HASH_VERSION, model, dtype, num_layers, head_dim, heads_total)
     return xxhash.xxh3_64_intdigest(msgspec.msgpack.encode(key), seed=1337)
+
+
+def memory_order(kv_cache: torch.Tensor) -> str:
+    """The order in memory of a tensor indexed by AXES, outermost first; it must be a permutation of a
+    contiguous tensor (one buffer of the layout)."""
+    if kv_cache.is_contiguous():
+        return AXES
+    order = "".join(a for _, a in sorted(zip(kv_cache.stride(), AXES), key=lambda p: -p[0]))
+    if not kv_cache.permute([AXES.index(a) for a in order]).is_contiguous():
+        raise ValueError(f"KV cache strides {kv_cache.stride()} are no permutation of a contiguous tensor")
+    return order
 
 
 def dtype_name(dtype: torch.dtype) -> str:

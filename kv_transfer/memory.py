@@ -48,8 +48,10 @@ class KVMemory:
 
     @classmethod
     def native(cls, kv_cache: torch.Tensor, model: str) -> KVMemory:
-        """Wrap the native engine's single cache tensor [L, 2, num_blocks, block_size, H, D]."""
-        return cls(KVLayout.native(kv_cache, model), [kv_cache])
+        """Wrap a native-style cache tensor indexed [L, 2, num_blocks, block_size, H, D], in memory in
+        any order (KVLayout.native): the buffer is the same memory viewed in that order."""
+        layout = KVLayout.native(kv_cache, model)
+        return cls(layout, [kv_cache.permute([AXES.index(a) for a in layout.order])])
 
     @classmethod
     def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> KVMemory:

@@ -4,9 +4,11 @@ Each agent registers its whole cache once. A peer's NIXL metadata is fetched onc
 over the side channel or from etcd (`metadata_store="etcd://host:port"`, key
 /dynamo_pd/kv_transfer/nixl/<agent>), and loaded with add_remote_agent. A transfer is one
 initialize_xfer over the coalesced regions (one descriptor per run of consecutive blocks per
-layer/K/V), polled with growing sleeps on the event loop (check_xfer_state never blocks) until
-done, failed or `timeout` runs out. Scattered small regions are read packed: the holder gathers
-them into one registered buffer on request (Pack) and the reader issues a single descriptor.
+outer combination: per run for the native engine's block-major cache, per run and layer and K/V for
+per-layer layouts), polled with growing sleeps on the event loop (check_xfer_state never blocks)
+until done, failed or `timeout` runs out. Scattered small regions (a per-layer layout's) are read
+packed: the holder gathers them into one registered buffer on request (Pack) and the reader issues
+a single descriptor.
 
 A transfer that failed, timed out or was cancelled returns (and its memory goes back to its owner)
 only once NIXL reports it ended: releasing a handle in progress does not stop UCX (its backend frees
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 ETCD_PREFIX = "/dynamo_pd/kv_transfer/nixl/"
 # Packing costs a round trip and a registration (~1-2 ms): worth it from about this many regions
-# (UCX spends ~10 us on each); a 64 MiB pull of scattered native-layout blocks has ~5000.
+# (UCX spends ~10 us on each); a 64 MiB pull of scattered blocks has ~5000 in a per-layer layout (vLLM's),
+# 91 in the native engine's block-major one (never packed).
 PACK_MIN_REGIONS = 512
 
 

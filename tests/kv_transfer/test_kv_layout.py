@@ -21,6 +21,25 @@ def test_native_layout_from_engine_tensor():
     assert memory.layer_view(4)[1, 7, 3, 2].eq(5.0).all()
 
 
+def test_the_native_engines_block_major_cache_is_one_region_per_block():
+    from types import SimpleNamespace
+
+    from dynamo_pd.engines.native.model_runner import allocate_kv_cache
+
+    smollm2 = SimpleNamespace(cfg=SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64))  # all it reads
+    kv_cache = allocate_kv_cache(smollm2, 12, 16, torch.float32, torch.device("cpu"))
+    assert kv_cache.shape == (30, 2, 12, 16, 3, 64)
+    memory = KVMemory.native(kv_cache, "SmolLM2-135M")
+    assert memory.layout.order == ENGINE_LAYOUTS["native"][0] == "BLKTHD"
+    assert memory.buffers[0].data_ptr() == kv_cache.data_ptr()  # the engine's memory itself, no copy
+    kv_cache[4, 1, 7, 3, 2] = 5.0
+    assert memory.layer_view(4)[1, 7, 3, 2].eq(5.0).all()
+    rows = block_regions(memory.layout, np.array([9, 2, 5, 0]))  # scattered: one region a block, whole
+    assert rows[:, 2].tolist() == [memory.layout.block_bytes] * 4
+    with pytest.raises(ValueError, match="no permutation of a contiguous tensor"):
+        KVMemory.native(torch.zeros(30, 2, 24, 16, 3, 64)[:, :, ::2], "SmolLM2-135M")
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINE_LAYOUTS))
 def test_regions_of_any_blocks_hold_exactly_those_blocks(engine):
     layout = make_layout(engine, block_size=8)

@@ -25,7 +25,8 @@ class PrefillChunk:
 
 @dataclass
 class AttentionBatch:
-    slot_mapping: torch.Tensor  # [tokens] cache slot (block * block_size + offset) of each new token
+    slot_blocks: torch.Tensor  # [tokens] cache block of each new token
+    slot_offsets: torch.Tensor  # [tokens] its place in that block
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool: slot in use
@@ -43,15 +44,16 @@ def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], blocks strided (block-major cache)
     v_cache: torch.Tensor,
     batch: AttentionBatch,
 ) -> torch.Tensor:
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    slots = (batch.slot_blocks, batch.slot_offsets)
+    k_cache.index_put_(slots, k)
+    v_cache.index_put_(slots, v)
     out = q.new_empty(tokens, heads, head_dim)
 
     n = batch.num_decode

@@ -12,10 +12,11 @@ from dynamo_pd.engines.native.sequence import Sequence
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-    """One contiguous tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]."""
+    """The cache indexed [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim], block-major in memory
+    ([blocks, layers, 2, ...]): a block's KV is one region, so scattered blocks transfer without packing."""
     cfg = model.cfg
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3, 4, 5)
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
@@ -80,8 +81,10 @@ class ModelRunner:
                 rows_to_sample.append(row + n - 1)
                 seqs_to_sample.append(seq)
 
+        slots_t = self._tensor(slots)
         attn = AttentionBatch(
-            slot_mapping=self._tensor(slots),
+            slot_blocks=slots_t // bs,
+            slot_offsets=slots_t % bs,
             num_decode=len(decodes),
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
