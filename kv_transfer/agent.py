@@ -368,11 +368,14 @@ class KVTransferAgent:
             raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout))
             return 0
         try:
-            raise_for(await self._client.call(desc.endpoint, Begin(desc.request_id, desc.compat_hash, timeout),
-                                              timeout))
+            begun = await self._client.call(desc.endpoint, Begin(desc.request_id, desc.compat_hash, timeout), timeout)
         except PeerLostError:
             self._client.forget(desc.endpoint)
             raise
+        except asyncio.CancelledError:  # the holder may have pinned the blocks: unpin them now, not at its deadline
+            await asyncio.shield(self._finish(desc, False, "cancelled", timeout))
+            raise
+        raise_for(begun)
         try:
             if reading:
                 await self.transport.read(desc, plan, timeout)

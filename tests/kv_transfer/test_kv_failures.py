@@ -173,6 +173,30 @@ async def test_cancel_during_transfer_waits_for_the_peer_then_refuses():
         assert reply.error == "freed" and calls == ["cancelled"] and p.holding() == []
 
 
+@pytest.mark.parametrize("at", [Begin, Finish])
+async def test_a_reader_cancelled_with_its_call_in_flight_unpins_the_hold_at_once(at):
+    """The decode side's pull is cancelled (its client went away) after the holder took its Begin (or
+    its last Finish) and before the reply came back: the holder learns it now, so its blocks are
+    freed at once, not at the pin's deadline (transfer timeout twice over)."""
+    p, d = inproc_pair()
+    calls = []
+    handle = p._handle
+
+    async def cancel_the_reader_on(request, frames, send):
+        reply = await handle(request, frames, send)
+        if isinstance(request, at) and request.request_id == "r":
+            pulling.cancel()  # the reply is not yet sent: the reader is inside its call
+        return reply
+
+    p._handle = cancel_the_reader_on
+    async with p, d:
+        desc = p.hold("r", [1, 2], 20, lambda rid, why, _: calls.append(why.value))
+        pulling = asyncio.create_task(d.pull(desc, [0, 1, 2]))
+        with pytest.raises(asyncio.CancelledError):
+            await pulling
+        assert p.holding() == [] and calls == ["done" if at is Finish else "error"]
+
+
 async def test_push_rendezvous_failures_are_named_and_free_the_reserved_blocks():
     """No Reserve in time (and a late one refused), a second Reserve for the same room, a push that
     cannot fit: each is a clear error, and the decode side's reserved blocks are released (ERROR)
