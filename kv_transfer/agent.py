@@ -381,10 +381,12 @@ class KVTransferAgent:
                 await self.transport.read(desc, plan, timeout)
             else:
                 await self.transport.write(desc, plan, timeout)
-        except BaseException as e:
+            # In the try: cancelled before this Finish went out, the holder must still hear one.
+            done = await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout)
+        except BaseException as e:  # a second Finish after a delivered one is answered "freed", harmlessly
             await asyncio.shield(self._finish(desc, False, f"{type(e).__name__}: {e}", timeout))
             raise
-        raise_for(await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout))
+        raise_for(done)
         if finish is not None:
             await to_the_end(asyncio.to_thread(finish))
         return plan.nbytes
