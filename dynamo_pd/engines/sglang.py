@@ -16,7 +16,7 @@ Every other key of `EngineConfig.extra` goes to ServerArgs untouched.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -32,7 +32,6 @@ from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.runtime.tasks import cancel_and_wait
 
 # transfer backend -> (module it needs, how to install it)
 TRANSFER_BACKENDS = {
@@ -143,25 +142,17 @@ class SglangEngine(Engine):
         rid = request.request_id
         stream = await self._engine.async_generate(**self.generate_args(request))
         reader = StreamReader(request, self.role)
-        cancelled = asyncio.ensure_future(context.wait_cancelled())
         try:
-            while True:
-                step = asyncio.ensure_future(anext(stream))
-                await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    await cancel_and_wait([step])  # before the stream may be closed
-                    self._engine.tokenizer_manager.abort_request(rid=rid)
-                    yield EngineOutput(request_id=rid, token_ids=[], finish_reason="abort")
-                    return
-                try:
-                    out = step.result()
-                except StopAsyncIteration:
-                    return
-                yield reader.read(out)
-                if reader.finished:
-                    return
+            async with contextlib.aclosing(context.until_cancelled(stream)) as outs:
+                async for out in outs:
+                    if out is None:
+                        self._engine.tokenizer_manager.abort_request(rid=rid)
+                        yield EngineOutput(request_id=rid, token_ids=[], finish_reason="abort")
+                        return
+                    yield reader.read(out)
+                    if reader.finished:
+                        return
         finally:
-            cancelled.cancel()
             await stream.aclose()
 
 

@@ -18,6 +18,7 @@ publishes (drain_kv_events). Every other key of `EngineConfig.extra` goes to LLM
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,25 +118,15 @@ class TrtllmEngine(Engine):
                                           streaming=True, disaggregated_params=disaggregated,
                                           cache_salt=request.cache_salt)
         reader = OutputReader(request, context_only=disaggregated is not None and self.role is EngineRole.PREFILL)
-        cancelled = asyncio.ensure_future(context.wait_cancelled())
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(result))
-                await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    await cancel_and_wait([step])
+        async with contextlib.aclosing(context.until_cancelled(result)) as outs:
+            async for out in outs:
+                if out is None:
                     result.abort()
                     yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
-                    return
-                try:
-                    out = step.result()
-                except StopAsyncIteration:
                     return
                 yield reader.read(out)
                 if out.finished:
                     return
-        finally:
-            cancelled.cancel()
 
     async def release_handoff(self, request_id: str) -> None:
         # The cache transceiver frees the context's KV once the generation side has it (or its timeout passed).

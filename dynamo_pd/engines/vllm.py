@@ -13,7 +13,7 @@ Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import importlib.util
 import os
 import random
@@ -32,7 +32,6 @@ from dynamo_pd.model_store import resolve_model
 from dynamo_pd.handoff import EngineHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
-from dynamo_pd.runtime.tasks import cancel_and_wait
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
@@ -120,46 +119,37 @@ class VllmEngine(Engine):
             {"prompt_token_ids": request.prompt_token_ids}, self._sampling_params(request), request.request_id
         )
         completion_tokens = 0
-        cancelled = asyncio.ensure_future(context.wait_cancelled())
-        step: asyncio.Future | None = None
         try:
-            while True:
-                step = asyncio.ensure_future(anext(stream))
-                await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():  # the step is cancelled below, and vLLM aborts the request
-                    yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
-                    return
-                try:
-                    out = step.result()
-                except StopAsyncIteration:
-                    return
-                completion = out.outputs[0]
-                completion_tokens += len(completion.token_ids)
-                final = out.finished
-                # vLLM's connector holds the KV for a decode side exactly when it returns its params
-                held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
-                handoff = EngineHandoff(params=out.kv_transfer_params) if held else None
-                yield EngineOutput(
-                    request_id=request.request_id,
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
-                    finish_reason=("prefill_done" if handoff else _finish_reason(completion.finish_reason))
-                    if final else None,
-                    stop_reason=completion.stop_reason if final else None,
-                    usage=Usage(
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=completion_tokens,
-                        cached_tokens=out.num_cached_tokens or 0,
+            # cancelling a waiting step makes vLLM abort the request
+            async with contextlib.aclosing(context.until_cancelled(stream)) as outs:
+                async for out in outs:
+                    if out is None:
+                        yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
+                        return
+                    completion = out.outputs[0]
+                    completion_tokens += len(completion.token_ids)
+                    final = out.finished
+                    # vLLM's connector holds the KV for a decode side exactly when it returns its params
+                    held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
+                    handoff = EngineHandoff(params=out.kv_transfer_params) if held else None
+                    yield EngineOutput(
+                        request_id=request.request_id,
+                        token_ids=list(completion.token_ids),
+                        text=completion.text,
+                        logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
+                        finish_reason=("prefill_done" if handoff else _finish_reason(completion.finish_reason))
+                        if final else None,
+                        stop_reason=completion.stop_reason if final else None,
+                        usage=Usage(
+                            prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=completion_tokens,
+                            cached_tokens=out.num_cached_tokens or 0,
+                        )
+                        if final
+                        else None,
+                        handoff=handoff,
                     )
-                    if final
-                    else None,
-                    handoff=handoff,
-                )
         finally:
-            # A step still waiting runs the stream: cancel it (vLLM aborts the request on that) before
-            # closing, which it would refuse ('asynchronous generator is already running').
-            await cancel_and_wait([cancelled, *([step] if step is not None else [])])
             await stream.aclose()
 
     async def release_handoff(self, request_id: str) -> None:

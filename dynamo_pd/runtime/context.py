@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from dynamo_pd.runtime.tasks import cancel_and_wait
+
+T = TypeVar("T")
 
 
 class RequestContext:
@@ -21,3 +27,26 @@ class RequestContext:
 
     async def wait_cancelled(self) -> None:
         await self._cancelled.wait()
+
+    async def until_cancelled(self, stream: AsyncIterator[T]) -> AsyncIterator[T | None]:
+        """`stream`'s items until it ends, or a None (and nothing after it) once this context is cancelled.
+        A step still waiting on `stream` is cancelled and waited for before that None and before this
+        generator closes: an engine's stream may be aborted or closed only while nothing runs it (an async
+        generator refuses aclose() while a step is running; vLLM aborts a request whose step is cancelled)."""
+        cancelled = asyncio.ensure_future(self.wait_cancelled())
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(stream))
+                await asyncio.wait({step, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    await cancel_and_wait([step])
+                    yield None
+                    return
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            await cancel_and_wait([cancelled, *([step] if step is not None else [])])
