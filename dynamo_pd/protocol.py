@@ -102,6 +102,25 @@ class EngineRequest(msgspec.Struct, kw_only=True):
         self.sampling.validate()
         self.stop.validate()
 
+    def check_fits(self, max_model_len: int, vocab_size: int | None = None) -> None:
+        """validate(), then the model's own bounds: prompt + max_tokens within its context and, given the
+        vocabulary's size, every token id in it."""
+        self.validate()
+        prompt = self.prompt_token_ids
+        if vocab_size is not None:
+            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                          "prompt")
+            if self.first_token_id is not None and not 0 <= self.first_token_id < vocab_size:
+                raise InvalidRequestError(f"first_token_id {self.first_token_id} is outside the vocabulary",
+                                          "first_token_id")
+        total = len(prompt) + self.stop.max_tokens
+        if total > max_model_len:
+            raise PromptTooLongError(f"prompt ({len(prompt)} tokens) plus max_tokens ({self.stop.max_tokens}) is "
+                                     f"{total} tokens, more than this model's context of {max_model_len} tokens",
+                                     "prompt")
+
 
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int

@@ -142,22 +142,11 @@ class LlamaCppEngine(Engine):
     # ---- requests
 
     def check_request(self, request: EngineRequest) -> None:
-        request.validate()
-        prompt, vocab = request.prompt_token_ids, self._llm.n_vocab()
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-        total = len(prompt) + request.stop.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.stop.max_tokens}) is {total} tokens, "
-                f"more than this model's context of {self.max_model_len} tokens", "prompt")
+        request.check_fits(self.max_model_len, self._llm.n_vocab())
+        prompt = request.prompt_token_ids
         if self.role is not EngineRole.AGGREGATED and len(prompt) > self.pool.num_blocks:
             raise PromptTooLongError(f"prompt ({len(prompt)} tokens) does not fit the sequence-state pool "
                                      f"({self.pool.num_blocks} tokens; --kv-cache-memory-gb)", "prompt")
-        if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
-            raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
-                                      "first_token_id")
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         self.check_request(request)

@@ -24,7 +24,7 @@ from mistralrs import ChatCompletionRequest, Runner, Which
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole
 from dynamo_pd.engines.token_events import TokenEvents
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, default_gguf_path
-from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, PromptTooLongError, Usage
+from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, Usage
 from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
 
@@ -89,10 +89,6 @@ class MistralRsEngine(Engine):
                              ("stop_token_ids", bool(stop.stop_token_ids))):
             if given:
                 raise InvalidRequestError(f"the mistralrs engine does not support {param}", param)
-        total = len(prompt) + stop.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(f"prompt ({len(prompt)} tokens) plus max_tokens ({stop.max_tokens}) is {total} "
-                                     f"tokens, more than this model's context of {self.max_model_len} tokens", "prompt")
         try:
             text = self._call("detokenize_text", prompt, False)
             same = self._call("tokenize_text", text, False, None) == prompt
@@ -104,7 +100,7 @@ class MistralRsEngine(Engine):
         return text
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        request.validate()
+        request.check_fits(self.max_model_len)  # its vocabulary is checked by the text round trip
         text = await asyncio.to_thread(self._prompt_text, request)
         s, stop, rid = request.sampling, request.stop, request.request_id
         chat = ChatCompletionRequest(

@@ -92,24 +92,14 @@ class EngineCore:
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise InvalidRequestError / PromptTooLongError naming what is wrong; touches no state."""
-        request.validate()
-        prompt = request.prompt_token_ids
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        request.check_fits(self.max_model_len, vocab)
+        prompt = request.prompt_token_ids
         total = len(prompt) + request.stop.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({request.stop.max_tokens}) is {total} tokens, "
-                f"more than this model's context of {self.max_model_len} tokens", "prompt")
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if total > capacity:
             raise PromptTooLongError(
                 f"prompt plus max_tokens is {total} tokens, more than the whole KV cache ({capacity} tokens)", "prompt")
-        if request.first_token_id is not None and not 0 <= request.first_token_id < vocab:
-            raise InvalidRequestError(f"first_token_id {request.first_token_id} is outside the vocabulary",
-                                      "first_token_id")
         resumed = request.resume_token_ids
         if resumed:
             if len(resumed) >= request.stop.max_tokens:
