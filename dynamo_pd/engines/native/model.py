@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from dynamo_pd.engines.native.attention import AttentionBatch, paged_attention
 from dynamo_pd.engines.native.config import ModelConfig, rope_tables
-from dynamo_pd.engines.native.loader import ModelWeights
+from dynamo_pd.engines.native.loader import ModelWeights, linear
 
 
 class LlamaModel:
@@ -41,15 +41,15 @@ class LlamaModel:
         tokens = hidden.shape[0]
         for i, layer in enumerate(w.layers):
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             # q and k rotate together: one rope call for both.
             qk = self._rope(qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], batch)
-            hidden = hidden + F.linear(attn, layer.o_proj)
+            hidden = hidden + linear(attn, layer.o_proj)
             x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down)
         last = F.rms_norm(hidden[logit_rows], (cfg.hidden_size,), w.norm, eps)
-        return F.linear(last, w.lm_head).float()
+        return linear(last, w.lm_head).float()
