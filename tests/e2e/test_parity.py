@@ -199,15 +199,16 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
         "vllm": start_deployment(tmp_path_factory.mktemp("vllm-pd"), "--prefill", "1", "--decode", "1", *vllm,
                                  workers_expected=0),
     }
+    pools = {"aggregated": ("aggregated-0",), "vllm": ("prefill-0", "decode-0")}
     try:
-        for name, workers in (("aggregated", ("aggregated-0",)), ("vllm", ("prefill-0", "decode-0"))):
+        for name, workers in pools.items():
             deployments[name].wait_for(lambda: vllm_up(deployments[name], workers), 300, "vLLM workers up")
         results, greedy, seeded = greedy_and_seeded_cases(deployments, openai_client_factory, PROMPTS[:2], SEEDS[:2])
         differ = compare(results, greedy, seeded, logprob_tol=VLLM_LOGPROB_TOL)
         assert not differ, differ[:3]
         assert any(r["logprobs"] for r in results["vllm"]), "logprobs compared"
         assert not any(fallbacks(deployments["vllm"]).values()), fallbacks(deployments["vllm"])
-        for name, workers in (("aggregated", ("aggregated-0",)), ("vllm", ("prefill-0", "decode-0"))):
+        for name, workers in pools.items():
             for worker in workers:  # three vLLM workers on this host: none pins its threads onto the others' cores
                 log = (deployments[name].logs / f"{worker}.log").read_text()
                 assert "VLLM_CPU_OMP_THREADS_BIND='nobind'" in log, f"{worker}: vLLM bound its OpenMP threads"
