@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -193,7 +194,8 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
 
 
 def stop_children(children: list[subprocess.Popen], grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM workers first, the frontend (and discovery) last; kill what outlives `grace_s`."""
+    """SIGTERM workers first, the frontend (and discovery) last; kill what outlives `grace_s`, with
+    the processes it started (vLLM's EngineCore outlives a worker killed while its engine starts)."""
     for child in reversed(children):
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -202,8 +204,27 @@ def stop_children(children: list[subprocess.Popen], grace_s: float = _STOP_GRACE
         try:
             child.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            below = descendants(child.pid)  # before the kill: after it they belong to init
             child.kill()
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             child.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # "pid (comm) state ppid ..."
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def _watch(children: list[subprocess.Popen], log_dir: Path) -> None:

@@ -7,13 +7,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import failure_line, parse_args, plan
+from dynamo_pd.serve import failure_line, parse_args, plan, stop_children
 from dynamo_pd.worker import parse_args as worker_args
 from tests.e2e.conftest import MODEL, Deployment
 
@@ -183,3 +184,31 @@ def test_pin_cores_gives_each_worker_its_own_share_of_the_cores(tmp_path):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
     assert code == 0, log_path.read_text()[-3000:]
+
+
+_STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a worker blocked in its engine's start
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_killed_after_its_grace_takes_the_processes_it_started_with_it():
+    worker = subprocess.Popen([sys.executable, "-c", _STUBBORN], stdout=subprocess.PIPE, text=True)
+    engine = int(worker.stdout.readline())
+    assert not gone(engine)
+    stop_children([worker], grace_s=1.0)
+    assert worker.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while not gone(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(engine), "the worker's own process outlived it"
