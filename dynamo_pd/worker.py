@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import tempfile
@@ -97,9 +98,12 @@ class Worker:
                              f"{cfg.engine} moves KV its own way")
         if engine_class.publishes_kv_events:  # in their own format (vLLM's ZMQ one)
             # vLLM binds only wildcard or ipc endpoints (it connects to others), and wildcard is every interface
-            socket_path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
-            cfg.engine_config.extra.setdefault("kv_events_endpoint", f"ipc://{socket_path}")
-            cfg.engine_config.extra.setdefault("kv_events_replay_endpoint", f"ipc://{socket_path}.replay")
+            path = Path(tempfile.gettempdir()) / f"dynamo_pd-{self.worker_id}-{uuid.uuid4().hex[:8]}.kv"
+            for key, socket_path in (("kv_events_endpoint", path), ("kv_events_replay_endpoint",
+                                                                   path.with_suffix(".kv.replay"))):
+                if key not in cfg.engine_config.extra:  # ours: the engine's process may leave the file behind
+                    cfg.engine_config.extra[key] = f"ipc://{socket_path}"
+                    self._closers.append(functools.partial(socket_path.unlink, missing_ok=True))
         loads = self.role is EngineRole.DECODE and engine_class.kv_handoffs
         self.engine = engine = engine_class(cfg.engine_config, **({"kv_loader": self.handoff.load_kv} if loads else {}))
         await engine.start()

@@ -6,7 +6,9 @@ Run with -s to see the table of cases per hand-off mode."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -191,6 +193,7 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the workers' own default is checked below
+    sockets = set(Path(tempfile.gettempdir()).glob("dynamo_pd-*.kv*"))  # the ipc files vLLM's KV events bind
     vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]  # canaries would change batch shapes
     deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
@@ -215,3 +218,4 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     finally:
         codes = {name: d.stop() for name, d in deployments.items()}
     assert all(code == 0 for c in codes.values() for code in c.values()), codes
+    assert set(Path(tempfile.gettempdir()).glob("dynamo_pd-*.kv*")) <= sockets, "a stopped worker left its sockets"
