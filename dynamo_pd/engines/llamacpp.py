@@ -101,8 +101,12 @@ class LlamaCppEngine(Engine):
 
     def _load(self) -> None:
         cfg = self.config
+        # --num-threads, else the share of the cores the launcher gave this worker (OMP_NUM_THREADS); llama-cpp-
+        # python's own default is half the host's cores for decode and all of them for prompts, whatever runs beside
+        share = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(cfg.extra.get("num_threads") or 0) or (int(share) if share.isdigit() else 0) or None
         llm = Llama(model_path=str(gguf_path(cfg.model)), n_ctx=cfg.max_model_len or 0, n_batch=cfg.max_num_batched_tokens,
-                    n_threads=cfg.extra.get("num_threads"), seed=cfg.seed, verbose=False)
+                    n_threads=threads, n_threads_batch=threads, seed=cfg.seed, verbose=False)
         if cfg.max_model_len and cfg.max_model_len > C.llama_model_n_ctx_train(llm.model):
             raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context ({C.llama_model_n_ctx_train(llm.model)} tokens)")
         self._llm = llm

@@ -52,6 +52,17 @@ def said(outs) -> tuple[str, list[int], str]:
     return "".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason
 
 
+async def test_without_num_threads_it_takes_the_launchers_share_of_the_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what `serve` gives each of its workers
+    engine = LlamaCppEngine(EngineConfig(role=EngineRole.AGGREGATED, **{**CONFIG, "extra": {}}))
+    await engine.start()
+    try:
+        params = engine._llm.context_params
+        assert (params.n_threads, params.n_threads_batch) == (1, 1)
+    finally:
+        await engine.stop()
+
+
 @pytest.fixture(scope="module")
 def aggregated():
     engine = asyncio.run(started(EngineRole.AGGREGATED))
