@@ -128,6 +128,15 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
     return deployment
 
 
+def llama_server_command(port: int, n_ctx: int, *extra: str) -> list[str]:
+    """llama-cpp-python's own OpenAI server on the SmolLM2 GGUF, one thread. A request arriving mid-stream (a
+    second member's, a health canary) queues behind the one in flight instead of ending it, the server's default."""
+    from dynamo_pd.model_store import default_gguf_path
+
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()), "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", "1", "--interrupt_requests", "False", *extra]
+
+
 @contextlib.contextmanager
 def with_openai_members(logs: Path, server_url: str, model: str, members: int, *frontend_args: str):
     """A frontend, `members` `--engine http` workers putting the OpenAI server at `server_url` behind `model`,

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from tests.e2e.conftest import Deployment
+from tests.e2e.conftest import Deployment, llama_server_command
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
@@ -25,16 +25,11 @@ INTERVAL_S, TIMEOUT_S = 1.0, 3.0
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from dynamo_pd.model_store import default_gguf_path
-
     made = []
     for i in range(2):
         port = free_port()
         server = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp(f"llama_server{i}"))
-        server.spawn("llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
-                                        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512",
-                                        "--n_threads", "1", "--interrupt_requests", "False"])  # a canary
-        # arriving mid-request must queue behind it, not end it (the server's default)
+        server.spawn("llama_server", llama_server_command(port, 512))
         made.append(server)
     for server in made:
         server.wait_for(lambda: server.get("/v1/models")[0] == 200, 120, "llama.cpp server up")

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from tests.e2e.conftest import MODEL, Deployment, with_openai_members
+from tests.e2e.conftest import MODEL, Deployment, llama_server_command, with_openai_members
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
@@ -22,14 +22,10 @@ PROMPT = "The history of the city begins with a small village on the river, wher
 
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
-    from dynamo_pd.model_store import default_gguf_path
-
     port = free_port()
     logs = tmp_path_factory.mktemp("llama_server")
     server = Deployment(url=f"http://127.0.0.1:{port}", logs=logs)
-    server.spawn("llama_server", [sys.executable, "-m", "llama_cpp.server", "--model", str(default_gguf_path()),
-                                    "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
-                                    "--n_threads", "1", "--model_alias", "smollm2-gguf"])
+    server.spawn("llama_server", llama_server_command(port, 2048, "--model_alias", "smollm2-gguf"))
     server.wait_for(lambda: server.get("/v1/models")[0] == 200, 120, "llama.cpp server up")
     yield server
     server.stop()
