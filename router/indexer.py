@@ -9,6 +9,10 @@ Membership is per block, as engines keep it: a worker matches the longest prefix
 all holds, and evicting a block in the middle of a chain leaves the blocks after it in place; they
 count again once the missing block is stored again.
 
+What each worker holds is read from those bitmasks; per worker the indexer keeps only a count and a log
+of the batches it stored (a reference each, no per-block work), which clear_worker walks. Removals leave
+stale entries in the log; it is compacted once it holds more than twice the worker's blocks.
+
 Memory is bounded by `max_nodes` (0 = unbounded): at the bound, new blocks are not indexed and are
 counted in `dropped_blocks`, so matches may under-report but never name a block a worker lacks.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from typing import Union
 
 import msgspec
@@ -53,7 +58,9 @@ class KvIndexer:
         self._nodes: dict[int, int] = {}  # seq hash -> bitmask of worker slots
         self._slot_of: dict[WorkerId, int] = {}
         self._worker_at: list[WorkerId | None] = []  # slot -> worker
-        self._held: list[set[int]] = []  # slot -> seq hashes held
+        self._count: list[int] = []  # slot -> blocks held
+        self._log: list[list[tuple[int, ...]]] = []  # slot -> batches stored (a superset of what it holds)
+        self._logged: list[int] = []  # slot -> hashes in its log
         self._free_slots: list[int] = []
 
     # -- workers ---------------------------------------------------------------------------------
@@ -70,9 +77,16 @@ class KvIndexer:
             else:
                 slot = len(self._worker_at)
                 self._worker_at.append(worker)
-                self._held.append(set())
+                self._count.append(0)
+                self._log.append([])
+                self._logged.append(0)
             self._slot_of[worker] = slot
         return slot
+
+    def _held(self, slot: int) -> list[int]:
+        """The blocks `slot` holds, each once, from its log."""
+        bit, nodes = 1 << slot, self._nodes
+        return [h for h in dict.fromkeys(h for batch in self._log[slot] for h in batch) if nodes.get(h, 0) & bit]
 
     def clear_worker(self, worker: WorkerId) -> None:
         """Forget every block of `worker` (AllBlocksCleared, or state dropped after a gap)."""
@@ -81,13 +95,14 @@ class KvIndexer:
             return
         keep = ~(1 << slot)
         nodes = self._nodes
-        for h in self._held[slot]:
+        for h in self._held(slot):
             mask = nodes[h] & keep
             if mask:
                 nodes[h] = mask
             else:
                 del nodes[h]
-        self._held[slot] = set()
+        self._count[slot] = self._logged[slot] = 0
+        self._log[slot] = []
 
     def remove_worker(self, worker: WorkerId) -> None:
         slot = self._slot_of.get(worker)
@@ -104,54 +119,65 @@ class KvIndexer:
         if slot is None:
             slot = self._slot(worker)
         bit = 1 << slot
-        held = self._held[slot]
         nodes = self._nodes
-        if not isinstance(seq_hashes, (list, tuple)):
-            seq_hashes = list(seq_hashes)
-        # usually every block is new to the worker: checked in one C call, the map below runs in C too
-        new = seq_hashes if held.isdisjoint(seq_hashes) else [h for h in seq_hashes if h not in held]
+        batch = tuple(seq_hashes)
+        before = len(nodes)
         bound = self.max_nodes
-        if bound and len(nodes) + len(new) > bound:
-            kept = []
-            for h in new:
-                if h in nodes or len(nodes) < bound:
-                    nodes[h] = nodes.get(h, 0) | bit
-                    kept.append(h)
-                else:
+        if bound and before + len(batch) > bound:
+            new = 0
+            for h in batch:
+                mask = nodes.get(h)
+                if mask is None and len(nodes) >= bound:
                     self.dropped_blocks += 1
-            new = kept
+                elif mask is None or not mask & bit:
+                    nodes[h] = (mask or 0) | bit
+                    new += 1
+        elif nodes.keys().isdisjoint(batch):
+            # usually every block is new to the index: one C-level update, no per-block Python
+            nodes.update(zip(batch, repeat(bit)))
+            new = len(nodes) - before
         else:
-            # new blocks as a dict of this worker's bit, OR-ed with the few that others hold already, then
-            # one dict-into-dict update: ~1.25x a per-item zip of gets (router_bench --ingest-only)
-            fresh = dict.fromkeys(new, bit)
+            fresh = dict.fromkeys(batch, bit)
+            new = len(fresh)
             for h in nodes.keys() & fresh.keys():
-                fresh[h] |= nodes[h]
+                mask = nodes[h]
+                new -= mask & bit != 0
+                fresh[h] = mask | bit
             nodes.update(fresh)
-        held.update(new)
+        self._count[slot] += new
+        self._log[slot].append(batch)
+        self._logged[slot] += len(batch)
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
         if slot is None:
             return
-        keep = ~(1 << slot)
-        held = self._held[slot]
+        bit = 1 << slot
+        keep = ~bit
         nodes = self._nodes
+        gone = 0
         for h in seq_hashes:
-            if h in held:
-                held.remove(h)
-                mask = nodes[h] & keep
+            mask = nodes.get(h, 0)
+            if mask & bit:
+                gone += 1
+                mask &= keep
                 if mask:
                     nodes[h] = mask
                 else:
                     del nodes[h]
+        count = self._count[slot] = self._count[slot] - gone
+        if self._logged[slot] > 2 * count + 1024:  # mostly stale: compact (amortized over the removals)
+            held = self._held(slot)
+            self._log[slot] = [tuple(held)] if held else []
+            self._logged[slot] = len(held)
 
     def holds(self, worker: WorkerId, seq_hash: int) -> bool:
         slot = self._slot_of.get(worker)
-        return slot is not None and seq_hash in self._held[slot]
+        return slot is not None and self._nodes.get(seq_hash, 0) >> slot & 1 == 1
 
     def blocks_of(self, worker: WorkerId) -> int:
         slot = self._slot_of.get(worker)
-        return 0 if slot is None else len(self._held[slot])
+        return 0 if slot is None else self._count[slot]
 
     # -- queries ---------------------------------------------------------------------------------
     def find_matches(self, seq_hashes: Sequence[int]) -> Overlaps:
@@ -176,7 +202,7 @@ class KvIndexer:
 
     # -- state -----------------------------------------------------------------------------------
     def dump(self) -> IndexerSnapshot:
-        return IndexerSnapshot(workers={w: list(self._held[s]) for w, s in self._slot_of.items()})
+        return IndexerSnapshot(workers={w: self._held(s) for w, s in self._slot_of.items()})
 
     def restore(self, snapshot: IndexerSnapshot) -> None:
         """Replace the whole state with `snapshot`."""
@@ -187,13 +213,12 @@ class KvIndexer:
 
     def memory(self) -> IndexerMemory:
         nodes = self._nodes
-        resident = sum(len(s) for s in self._held)
-        size = sys.getsizeof(nodes) + sum(sys.getsizeof(s) for s in self._held)
-        size += sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in nodes.items())
-        size += resident * sys.getsizeof(1 << 63)  # the held sets' hash ints
+        size = sys.getsizeof(nodes) + sum(sys.getsizeof(h) + sys.getsizeof(m) for h, m in nodes.items())
+        size += sum(sys.getsizeof(log) + sum(map(sys.getsizeof, log)) for log in self._log)
+        size += sum(self._logged) * sys.getsizeof(1 << 63)  # the logs' hash ints
         return IndexerMemory(
             nodes=len(nodes),
-            resident_blocks=resident,
+            resident_blocks=sum(self._count),
             workers=len(self._slot_of),
             dropped_blocks=self.dropped_blocks,
             approx_bytes=size,

@@ -63,6 +63,10 @@ def check_all(indexer, model):
     for chain in CHAINS:
         for n in (1, 3, len(chain)):
             assert indexer.find_matches(chain[:n]) == model.find_matches(chain[:n])
+    for worker in range(WORKERS):
+        held = model.held.get(worker, set())
+        assert indexer.blocks_of(worker) == len(held)
+        assert {h for chain in CHAINS for h in chain if indexer.holds(worker, h)} == held
 
 
 @settings(max_examples=150, deadline=None)
@@ -174,3 +178,21 @@ def test_removed_worker_slot_is_reused_cleanly():
     assert (
         before == {"a": len(CHAINS[1])} and before["a"] == len(CHAINS[1]) and "b" not in before
     )  # a snapshot
+
+
+def test_a_churning_worker_keeps_what_the_indexer_logs_for_it_bounded():
+    """The same blocks stored and mostly evicted over and over: the indexer's log of the worker's batches is
+    compacted as it goes stale, and the state stays exact."""
+    indexer = KvIndexer()
+    chain = CHAINS[0]
+    indexer.store("w", chain)
+    one_round = indexer.memory().approx_bytes
+    for _ in range(2000):  # 22,000 hashes stored in all
+        indexer.remove("w", chain[4:])
+        indexer.store("w", chain)
+    indexer.remove("w", chain[4:])
+    assert indexer.find_matches(chain) == {"w": 4} and indexer.blocks_of("w") == 4
+    assert indexer.dump().workers == {"w": chain[:4]}
+    assert indexer.memory().approx_bytes < one_round + 100_000  # the log without compaction: ~1 MB
+    indexer.clear_worker("w")
+    assert indexer.find_matches(chain) == {} and indexer.memory().nodes == 0 and indexer.blocks_of("w") == 0
