@@ -17,7 +17,9 @@ import contextlib
 import importlib.util
 import os
 import random
+import shutil
 import socket
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ class VllmEngine(Engine):
         self.config = config
         self.role = config.role
         self._llm: AsyncLLM | None = None
+        self._rpc_dir: str | None = None
 
     def engine_args(self) -> AsyncEngineArgs:
         cfg = self.config
@@ -78,7 +81,24 @@ class VllmEngine(Engine):
             # (OMP_NUM_THREADS, affinity) the launcher gave this worker: workers sharing a host pin onto the same
             # cores and stall each other's OpenMP barriers. "nobind" keeps the share; a user's own value stays.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # read by the engine process vLLM spawns
-        self._llm = AsyncLLM.from_engine_args(self.engine_args())
+        own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ  # a user's folder stays theirs
+        if own_rpc_dir:
+            # vLLM names the ipc sockets between this process and its engine process by uuid in this folder
+            # (default /tmp) and leaves them there when it stops: in a folder of this engine's own they go with it
+            self._rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="dynamo_pd-vllm-")
+        try:
+            self._llm = AsyncLLM.from_engine_args(self.engine_args())
+        except BaseException:
+            self._remove_rpc_dir()
+            raise
+        finally:
+            if own_rpc_dir:  # read while the engine starts; the next engine in this process takes its own
+                del os.environ["VLLM_RPC_BASE_PATH"]
+
+    def _remove_rpc_dir(self) -> None:
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     @property
     def max_model_len(self) -> int:
@@ -89,6 +109,7 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._remove_rpc_dir()
 
     def _sampling_params(self, request: EngineRequest) -> SamplingParams:
         s, stop = request.sampling, request.stop

@@ -178,6 +178,13 @@ def vllm_up(deployment: Deployment, workers: tuple[str, ...]) -> bool:
         deployment.metric("dynamo_pd_router_indexed_blocks", worker=w) is not None for w in workers)
 
 
+def vllm_ipc_files() -> set[Path]:
+    """What vLLM workers bind in the temp folder: the KV events' ipc files a worker names, the folder it gives
+    vLLM for the sockets to its engine process, and those sockets where vLLM names them itself (by uuid)."""
+    tmp = Path(tempfile.gettempdir())
+    return {*tmp.glob("dynamo_pd-*.kv*"), *tmp.glob("dynamo_pd-vllm-*"), *tmp.glob("????????-????-????-????-????????????")}
+
+
 # vLLM's decode side samples the first token again: it computes the last prompt position itself, one
 # row, where the aggregated engine (and the prefill) computed it in the whole prompt's forward pass. Tokens,
 # text, finish and usage are the same; float32 logprobs differ in their last bits (seen: up to 7e-6). Every
@@ -193,7 +200,7 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the workers' own default is checked below
-    sockets = set(Path(tempfile.gettempdir()).glob("dynamo_pd-*.kv*"))  # the ipc files vLLM's KV events bind
+    sockets = vllm_ipc_files()
     vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]  # canaries would change batch shapes
     deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
@@ -218,4 +225,4 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     finally:
         codes = {name: d.stop() for name, d in deployments.items()}
     assert all(code == 0 for c in codes.values() for code in c.values()), codes
-    assert set(Path(tempfile.gettempdir()).glob("dynamo_pd-*.kv*")) <= sockets, "a stopped worker left its sockets"
+    assert vllm_ipc_files() <= sockets, "a stopped worker left its sockets"
