@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import parse_args, plan, worker_count
+from dynamo_pd.serve import parse_args, plan, stop_children, worker_count
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -89,18 +88,10 @@ class Deployment:
         return body["choices"][0]["text"]
 
     def stop(self) -> dict[str, int]:
-        """SIGTERM everything (workers first) and return each process's exit code."""
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
-        return codes
+        """Stop it as `serve` does (workers first; what outlives 20 s is killed with the processes it started)
+        and return each process's exit code."""
+        stop_children(list(self.procs.values()), grace_s=20)
+        return {name: proc.returncode for name, proc in self.procs.items()}
 
 
 def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = None,
