@@ -147,6 +147,7 @@ class KvIndexer:
         self._count[slot] += new
         self._log[slot].append(batch)
         self._logged[slot] += len(batch)
+        self._compact_if_stale(slot)  # blocks stored again (a predicted cache re-stores a routed prefix)
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
@@ -165,8 +166,13 @@ class KvIndexer:
                     nodes[h] = mask
                 else:
                     del nodes[h]
-        count = self._count[slot] = self._count[slot] - gone
-        if self._logged[slot] > 2 * count + 1024:  # mostly stale: compact (amortized over the removals)
+        self._count[slot] -= gone
+        self._compact_if_stale(slot)
+
+    def _compact_if_stale(self, slot: int) -> None:
+        """Rewrite the log as what the worker holds once it is mostly removed or repeated blocks (amortized:
+        the log has grown by at least the worker's blocks since it was last rewritten)."""
+        if self._logged[slot] > 2 * self._count[slot] + 1024:
             held = self._held(slot)
             self._log[slot] = [tuple(held)] if held else []
             self._logged[slot] = len(held)

@@ -194,5 +194,8 @@ def test_a_churning_worker_keeps_what_the_indexer_logs_for_it_bounded():
     assert indexer.find_matches(chain) == {"w": 4} and indexer.blocks_of("w") == 4
     assert indexer.dump().workers == {"w": chain[:4]}
     assert indexer.memory().approx_bytes < one_round + 100_000  # the log without compaction: ~1 MB
+    for _ in range(2000):  # stored again without a removal between: the log stays bounded too
+        indexer.store("w", chain[:4])
+    assert indexer.blocks_of("w") == 4 and indexer.memory().approx_bytes < one_round + 100_000
     indexer.clear_worker("w")
     assert indexer.find_matches(chain) == {} and indexer.memory().nodes == 0 and indexer.blocks_of("w") == 0
