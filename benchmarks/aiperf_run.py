@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +120,11 @@ def tokenizer_repo(model_dir: Path, hf_cache: Path) -> str:
 def run(cmd: list[str], artifact_dir: Path, timeout_s: float, hf_cache: Path) -> None:
     artifact_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1"}
-    with (artifact_dir / "aiperf.log").open("wb") as log:
+    # aiperf memory-maps its dataset in a folder it makes per run under this base (default /tmp) and
+    # leaves the folder behind: one of our own goes away with the run
+    with (tempfile.TemporaryDirectory(prefix="dynamo-pd-aiperf-") as tmp,
+          (artifact_dir / "aiperf.log").open("wb") as log):
+        env.setdefault("AIPERF_DATASET_MMAP_BASE_PATH", tmp)
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -2,6 +2,8 @@
 their tables, JSON and plots."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,12 @@ def aiperf_installed():
         aiperf_run.find_aiperf()
     except SystemExit as exc:
         pytest.skip(str(exc))
+
+
+def aiperf_temp_folders() -> set[Path]:
+    """What aiperf runs leave in the temp folder (its memory-mapped dataset's folder, ours around it)."""
+    tmp = Path(tempfile.gettempdir())
+    return {*tmp.glob("aiperf_mmap_*"), *tmp.glob("dynamo-pd-aiperf-*")}
 
 
 def _check_outputs(out, runs: int, requests: int, pngs: list[str]) -> list[dict]:
@@ -33,12 +41,14 @@ def _check_outputs(out, runs: int, requests: int, pngs: list[str]) -> list[dict]
 
 
 def test_agg_vs_disagg_quick(tmp_path, capsys):
+    left = aiperf_temp_folders()
     agg_vs_disagg.main(["--quick", "--workers", "2", "--rates", "4,8", "--requests", "8", "--isl", "600",
                         "--osl", "16", "--speedup", "1", "--out", str(tmp_path)])
     runs = _check_outputs(tmp_path, runs=4, requests=8, pngs=["ttft_cdf.png", "vs_load.png"])
     assert {run["config"] for run in runs} == {"2 aggregated", "1P1D"}
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] for line in progress] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert aiperf_temp_folders() <= left, "an aiperf run left a folder in the temp folder"
 
 
 def test_router_policies_quick(tmp_path):
