@@ -1,13 +1,14 @@
 """1 prefill + 1 decode worker (pull and push hand-offs, native; and vLLM's own) give exactly the
 aggregated text, logprobs and usage: greedy requests under many stop strings (hit by the first token,
 straddling it, multi-byte, never hit), streamed and not, and seeded sampled requests. Equality must not
-come from a fallback: every deployment ends with no prefill fallback of any reason.
-Run with -s to see the table of cases per hand-off mode."""
+come from a fallback: every deployment ends with no prefill fallback of any reason. The vLLM test also
+checks that vLLM's own KV events reach the router. Run with -s to see the table of cases per hand-off mode."""
 
 from __future__ import annotations
 
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,8 +69,13 @@ def fallbacks(deployment: Deployment) -> dict[str, float]:
 
 def run_everywhere(deployments: dict[str, Deployment], client_for, cases: list[tuple[dict, bool]]) -> dict:
     """Every deployment takes the cases in the same order, one at a time (so prefix caches and batch
-    shapes match: a cache hit changes the last bits of logprobs)."""
-    return {name: [complete(client_for(d), body, stream) for body, stream in cases] for name, d in deployments.items()}
+    shapes match: a cache hit changes the last bits of logprobs); the deployments run side by side."""
+    def run(deployment: Deployment) -> list[dict]:
+        return [complete(client_for(deployment), body, stream) for body, stream in cases]
+
+    with ThreadPoolExecutor(len(deployments)) as pool:
+        running = {name: pool.submit(run, d) for name, d in deployments.items()}
+        return {name: future.result() for name, future in running.items()}
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +86,13 @@ def native(tmp_path_factory):
             "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]}
     deployments: dict[str, Deployment] = {}
     errors: list[BaseException] = []
+    # made here, not in the threads: the factory's first call creates its base folder, and two threads
+    # racing in it got two different ones (the second mktemp then fails)
+    folders = {name: tmp_path_factory.mktemp(name) for name in args}
 
     def start(name: str) -> None:
         try:
-            deployments[name] = start_deployment(tmp_path_factory.mktemp(name), *args[name])
+            deployments[name] = start_deployment(folders[name], *args[name])
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start has ended
             errors.append(exc)
 
@@ -218,6 +227,15 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
         assert not differ, differ[:3]
         assert any(r["logprobs"] for r in results["vllm"]), "logprobs compared"
         assert not any(fallbacks(deployments["vllm"]).values()), fallbacks(deployments["vllm"])
+        assert "KV load" not in (deployments["vllm"].logs / "decode-0.log").read_text()
+        # vLLM's own KV events reach the router: a long prompt is indexed, and its repeat is served from cache
+        aggregated, client = deployments["aggregated"], openai_client_factory(deployments["aggregated"])
+        prompt = "A list of planets: " + ", ".join(f"planet {i}" for i in range(60))
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        aggregated.wait_for(lambda: (aggregated.metric("dynamo_pd_router_indexed_blocks", worker="aggregated-0")
+                                     or 0) >= 4, 20, "vLLM's KV events indexed")
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens >= 128
         for name, workers in pools.items():
             for worker in workers:  # three vLLM workers on this host: none pins its threads onto the others' cores
                 log = (deployments[name].logs / f"{worker}.log").read_text()

