@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.protocol import EngineRequest, SamplingParams, StopConditions
@@ -26,43 +27,45 @@ def hf_greedy(model_dir):
     return generate
 
 
-def test_vllm_aggregated_greedy_matches_transformers_and_streams_deltas(model_dir, hf_greedy):
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    """One vLLM engine for the tests below (each start costs vLLM's three processes their imports)."""
+    engine = create_engine("vllm", EngineConfig(role=EngineRole.AGGREGATED, max_model_len=512, max_num_seqs=4,
+                                                block_size=32))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def idle(engine) -> None:
+    async with asyncio.timeout(30):
+        while engine._llm.output_processor.has_unfinished_requests():
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_aggregated_greedy_matches_transformers_and_streams_deltas(engine, model_dir, hf_greedy):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
-
-    async def run() -> list[tuple[list[int], list]]:
-        engine = create_engine(
-            "vllm", EngineConfig(role=EngineRole.AGGREGATED, max_model_len=512, max_num_seqs=4, block_size=32)
-        )
-        await engine.start()
-        try:
-            results = []
-            for i, text in enumerate(prompts):
-                ids = tok(text).input_ids
-                request = EngineRequest(
-                    request_id=f"r{i}",
-                    prompt_token_ids=ids,
-                    sampling=SamplingParams(temperature=0),
-                    stop=StopConditions(max_tokens=12, ignore_eos=True),
-                )
-                outs = [o async for o in engine.generate(request, RequestContext(request.request_id))]
-                results.append((ids, outs))
-            return results
-        finally:
-            await engine.stop()
-
-    for ids, outs in asyncio.run(run()):
+    for i, text in enumerate(["The capital of France is", "def fibonacci(n):\n    "]):
+        ids = tok(text).input_ids
+        request = EngineRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                                stop=StopConditions(max_tokens=12, ignore_eos=True))
+        outs = [o async for o in engine.generate(request, RequestContext(request.request_id))]
         tokens = [t for o in outs for t in o.token_ids]
         assert len(outs) > 1, "outputs stream as deltas"
         assert outs[-1].finish_reason == "length"
         assert outs[-1].usage.completion_tokens == 12
         assert outs[-1].usage.prompt_tokens == len(ids)
         assert tokens == hf_greedy(ids, 12)
+    await idle(engine)
 
 
-def test_vllm_request_ends_and_frees_the_engine_when_cancelled_either_way(model_dir):
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_request_ends_and_frees_the_engine_when_cancelled_either_way(engine, model_dir):
     """The RPC server cancels a stream two ways: it sets the request's context (the engine ends it with
     'abort'), or it cancels the task consuming the stream (the handler's cleanup runs). Either way vLLM
     drops the request and the generator closes cleanly (it raised 'asynchronous generator is already
@@ -75,41 +78,27 @@ def test_vllm_request_ends_and_frees_the_engine_when_cancelled_either_way(model_
         return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
                              stop=StopConditions(max_tokens=max_tokens, ignore_eos=True))
 
-    async def idle(engine) -> None:
-        async with asyncio.timeout(30):
-            while engine._llm.output_processor.has_unfinished_requests():
-                await asyncio.sleep(0.05)
+    context = RequestContext("by-context")
+    by_context = []
+    async for out in engine.generate(request("by-context"), context):
+        by_context.append(out)
+        if len(by_context) == 2:
+            context.cancel()
+    await idle(engine)
 
-    async def run() -> tuple[list, BaseException | None, list]:
-        engine = create_engine("vllm", EngineConfig(role=EngineRole.AGGREGATED, max_model_len=512, max_num_seqs=4,
-                                                    block_size=32))
-        await engine.start()
-        try:
-            context = RequestContext("by-context")
-            by_context = []
-            async for out in engine.generate(request("by-context"), context):
-                by_context.append(out)
-                if len(by_context) == 2:
-                    context.cancel()
-            await idle(engine)
+    first = asyncio.Event()
 
-            first = asyncio.Event()
+    async def consume() -> None:
+        async for _ in engine.generate(request("by-task"), RequestContext("by-task")):
+            first.set()
 
-            async def consume() -> None:
-                async for _ in engine.generate(request("by-task"), RequestContext("by-task")):
-                    first.set()
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 60)
+    task.cancel()
+    raised = (await asyncio.gather(task, return_exceptions=True))[0]
+    await idle(engine)
+    after = [o async for o in engine.generate(request("after", 8), RequestContext("after"))]
 
-            task = asyncio.create_task(consume())
-            await asyncio.wait_for(first.wait(), 60)
-            task.cancel()
-            raised = (await asyncio.gather(task, return_exceptions=True))[0]
-            await idle(engine)
-            after = [o async for o in engine.generate(request("after", 8), RequestContext("after"))]
-            return by_context, raised, after
-        finally:
-            await engine.stop()
-
-    by_context, raised, after = asyncio.run(run())
     assert by_context[-1].finish_reason == "abort" and len(by_context) < 20
     assert isinstance(raised, asyncio.CancelledError), raised
     assert after[-1].finish_reason == "length" and after[-1].usage.completion_tokens == 8
