@@ -6,12 +6,20 @@ cd "$(dirname "$0")"
 VENV=${DYNAMO_PD_VENV:-.venv}
 
 ensure_venv() {
+  local new=""
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV" || { echo "error: python3 -m venv failed; on Debian: apt-get install python3-venv" >&2; exit 1; }
+    new=1
   fi
   # shellcheck disable=SC1091
   source "$VENV/bin/activate"
-  python -m pip install -q --upgrade pip
+  [ -z "$new" ] || python -m pip install -q --upgrade pip
+}
+
+# What the test install was made from: while it is unchanged, `./dev.sh test` skips pip (about 30 s of
+# resolving what is already there).
+dev_stamp() {
+  cat pyproject.toml dev.sh | sha256sum
 }
 
 install_base() {
@@ -65,7 +73,12 @@ case "${1:-}" in
     ;;
   test)
     shift
-    ensure_venv; install_dev
+    ensure_venv
+    if [ "$(cat "$VENV/.dev-installed" 2>/dev/null)" != "$(dev_stamp)" ]; then
+      rm -f "$VENV/.dev-installed"
+      install_dev
+      dev_stamp > "$VENV/.dev-installed"
+    fi
     set +e
     python -m pytest "$@"
     rc=$?
