@@ -25,11 +25,13 @@ PROMPTS = ["The capital of France is", "A short poem about the sea:"]
 def vllm_server(tmp_path_factory, model_dir):
     port = free_port()
     server = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path_factory.mktemp("vllm_server"))
-    server.spawn("vllm_server", [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", "smollm2-vllm", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(256 * 2**20), "--uvicorn-log-level", "warning"])
+    with pytest.MonkeyPatch.context() as env:  # vLLM leaves the uuid-named ipc sockets to its engine there
+        env.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
+        server.spawn("vllm_server", [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", "smollm2-vllm", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(256 * 2**20), "--uvicorn-log-level", "warning"])
 
     def up() -> bool:
         assert server.procs["vllm_server"].poll() is None, (server.logs / "vllm_server.log").read_text()[-3000:]

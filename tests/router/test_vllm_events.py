@@ -44,19 +44,22 @@ def vllm_llm(model_dir, tmp_path_factory):
     # vLLM binds ipc:// and tcp://* endpoints and connects to others; ipc keeps it off the network.
     endpoint = f"ipc://{tmp_path_factory.mktemp('kv')}/events.sock"
     replay = f"tcp://127.0.0.1:{free_port()}"
-    llm = LLM(
-        model=str(model_dir),
-        max_model_len=512,
-        enforce_eager=True,
-        block_size=BLOCK,
-        enable_prefix_caching=True,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        seed=0,
-        kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay
-        ),
-    )
+    with pytest.MonkeyPatch.context() as env:
+        # vLLM leaves the uuid-named ipc sockets to its engine process in this folder (default /tmp)
+        env.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-rpc")))
+        llm = LLM(
+            model=str(model_dir),
+            max_model_len=512,
+            enforce_eager=True,
+            block_size=BLOCK,
+            enable_prefix_caching=True,
+            max_num_seqs=4,
+            max_num_batched_tokens=512,
+            seed=0,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, replay_endpoint=replay
+            ),
+        )
     yield llm, endpoint, replay
     llm.llm_engine.engine_core.shutdown()
 
