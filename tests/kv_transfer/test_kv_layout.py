@@ -40,6 +40,30 @@ def test_the_native_engines_block_major_cache_is_one_region_per_block():
         KVMemory.native(torch.zeros(30, 2, 24, 16, 3, 64)[:, :, ::2], "SmolLM2-135M")
 
 
+def test_a_host_kv_pool_is_zeroed_resident_and_on_huge_pages_where_the_kernel_has_them():
+    from pathlib import Path
+
+    from kv_transfer.memory import kv_zeros
+
+    pool = kv_zeros((16, 1024, 1024), torch.float32)  # 64 MiB
+    assert pool.shape == (16, 1024, 1024) and pool.is_contiguous() and not pool.any()
+    pool[3, 5, 7] = 1.0
+    assert pool.sum() == 1.0
+    start = pool.data_ptr()
+    maps = Path("/proc/self/smaps").read_text().split("\n")
+    at = next(i for i, line in enumerate(maps) if "-" in line.split(" ")[0] and
+              int(line.split("-")[0], 16) <= start < int(line.split(" ")[0].split("-")[1], 16))
+    fields = {}
+    for line in maps[at + 1:]:
+        if not line.endswith("kB"):
+            break
+        fields[line.split(":")[0]] = int(line.split()[1])
+    assert fields["Rss"] >= 64 * 1024  # every page touched at allocation: the cache is reserved
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert fields["AnonHugePages"] > 0
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINE_LAYOUTS))
 def test_regions_of_any_blocks_hold_exactly_those_blocks(engine):
     layout = make_layout(engine, block_size=8)

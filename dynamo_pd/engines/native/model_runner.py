@@ -8,6 +8,7 @@ from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, cau
 from dynamo_pd.engines.native.model import LlamaModel
 from dynamo_pd.engines.native.scheduler import ScheduledBatch
 from dynamo_pd.engines.native.sequence import Sequence
+from kv_transfer.memory import kv_zeros
 
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -16,7 +17,7 @@ def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype
     ([blocks, layers, 2, ...]): a block's KV is one region, so scattered blocks transfer without packing."""
     cfg = model.cfg
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3, 4, 5)
+    return kv_zeros(shape, dtype, device).permute(1, 2, 0, 3, 4, 5)
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
