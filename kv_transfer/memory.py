@@ -27,7 +27,11 @@ def kv_zeros(shape: Sequence[int], dtype: torch.dtype, device: str | torch.devic
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(tuple(shape), dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # in torch's allocator's words, as before
+        size = f"{nbytes / 2**30:.2f} GiB"
+        raise RuntimeError(f"can't allocate memory: the KV pool needs {size} ({exc.strerror})") from None
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel without transparent huge pages: 4 KiB pages, slower transfers

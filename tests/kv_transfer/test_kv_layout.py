@@ -62,6 +62,8 @@ def test_a_host_kv_pool_is_zeroed_resident_and_on_huge_pages_where_the_kernel_ha
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
         assert fields["AnonHugePages"] > 0
+    with pytest.raises(RuntimeError, match=r"can't allocate memory: the KV pool needs 100000.00 GiB"):
+        kv_zeros((100000, 1024, 1024, 256), torch.float32)
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINE_LAYOUTS))
