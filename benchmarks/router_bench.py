@@ -22,7 +22,7 @@ import time
 
 from router.events import BlockStored, decode_batch, encode_batch
 from router.hashing import block_hashes, local_block_hashes, salt_root, sequence_hashes
-from router.indexer import KvIndexer
+from router.indexer import KvIndexer, _add, _add_py
 from router.ingest import EventIngestor
 from router.service import KvRouter, RouterConfig
 
@@ -211,7 +211,8 @@ def main() -> None:
     requests = ingest_requests(args.ingest_blocks, rng)
     print(f"event ingest, {len(requests) * CHAIN} blocks: 256-block requests over {INGEST_WORKERS} workers, "
           f"in BlockStored batches of 16 blocks, through the whole path (decode, re-hash unless trusted, index)")
-    print("blocks/s by wall clock and by thread CPU time (the RadixTree applies events on its own thread)")
+    print("blocks/s by wall clock and by thread CPU time (the RadixTree applies events on its own thread); "
+          f"the indexer's store: {'Python (router._index not built)' if _add is _add_py else 'C (router._index)'}")
     print(f"{'engine hashes':<36}{'blocks/s':>12}{'cpu blk/s':>12}{'us/block':>10}{'x dynamo':>10}")
     rows = [bench_ingest(requests, kind) for kind in ("foreign", "native", "trusted")]
     dynamo = bench_dynamo_ingest(requests)

@@ -94,7 +94,7 @@ class LazyBlockStored(BlockStored, tag="BlockStored"):
 class ProjectBlockStored(LazyBlockStored, tag="BlockStored"):
     """From a trusted worker, with int hashes: indexed as they are, its tokens never read."""
 
-    block_hashes: list[int]  # type: ignore[assignment]
+    block_hashes: tuple[int, ...]  # type: ignore[assignment]  # a tuple: the indexer's log keeps it as it is
     parent_block_hash: int | None  # type: ignore[assignment]
 
 

@@ -13,6 +13,9 @@ What each worker holds is read from those bitmasks; per worker the indexer keeps
 of the batches it stored (a reference each, no per-block work), which clear_worker walks. Removals leave
 stale entries in the log; it is compacted once it holds more than twice the worker's blocks.
 
+A batch's blocks go into the dict through `_add`: router/_index.c where the install compiled it (the ingest
+hot path), the same function in Python otherwise, with a warning.
+
 Memory is bounded by `max_nodes` (0 = unbounded): at the bound, new blocks are not indexed and are
 counted in `dropped_blocks`, so matches may under-report but never name a block a worker lacks.
 
@@ -24,6 +27,7 @@ API (all sync; call from one thread, the router's event loop):
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -33,6 +37,33 @@ import msgspec
 import numpy as np
 
 WorkerId = Union[str, int]
+
+
+def _add_py(nodes: dict[int, int], batch: tuple[int, ...], bit: int) -> int:
+    """Set `bit` in the mask of each block of `batch` (a new block gets `bit` alone); how many lacked it.
+    router/_index.c is this function in C, built at install; this one runs where it was not built."""
+    before = len(nodes)
+    if nodes.keys().isdisjoint(batch):
+        # usually every block is new to the index: one C-level update, no per-block Python
+        nodes.update(zip(batch, repeat(bit)))
+        return len(nodes) - before
+    fresh = dict.fromkeys(batch, bit)
+    new = len(fresh)
+    for h in nodes.keys() & fresh.keys():
+        mask = nodes[h]
+        new -= mask & bit != 0
+        fresh[h] = mask | bit
+    nodes.update(fresh)
+    return new
+
+
+try:
+    from router._index import add as _add
+except ImportError:
+    _add = _add_py
+    logging.getLogger(__name__).warning(
+        "router._index is not built (no C compiler at install?): the KV indexer runs its Python store "
+        "(slower event ingest); reinstall with gcc and the Python headers to build it")
 
 
 class IndexerSnapshot(msgspec.Struct, frozen=True):
@@ -114,16 +145,21 @@ class KvIndexer:
         self._free_slots.append(slot)
 
     # -- events ----------------------------------------------------------------------------------
-    def store(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
+    def store(self, worker: WorkerId, seq_hashes: Iterable[int], after: int | None = None) -> bool:
+        """Index `seq_hashes` as held by `worker`; with `after`, only if the worker holds that block (the
+        parent of the chain they continue): False, and nothing stored, when it does not."""
         slot = self._slot_of.get(worker)
         if slot is None:
+            if after is not None:
+                return False
             slot = self._slot(worker)
         bit = 1 << slot
         nodes = self._nodes
-        batch = tuple(seq_hashes)
-        before = len(nodes)
+        if after is not None and not nodes.get(after, 0) & bit:
+            return False
+        batch = seq_hashes if type(seq_hashes) is tuple else tuple(seq_hashes)
         bound = self.max_nodes
-        if bound and before + len(batch) > bound:
+        if bound and len(nodes) + len(batch) > bound:
             new = 0
             for h in batch:
                 mask = nodes.get(h)
@@ -132,22 +168,14 @@ class KvIndexer:
                 elif mask is None or not mask & bit:
                     nodes[h] = (mask or 0) | bit
                     new += 1
-        elif nodes.keys().isdisjoint(batch):
-            # usually every block is new to the index: one C-level update, no per-block Python
-            nodes.update(zip(batch, repeat(bit)))
-            new = len(nodes) - before
         else:
-            fresh = dict.fromkeys(batch, bit)
-            new = len(fresh)
-            for h in nodes.keys() & fresh.keys():
-                mask = nodes[h]
-                new -= mask & bit != 0
-                fresh[h] = mask | bit
-            nodes.update(fresh)
-        self._count[slot] += new
+            new = _add(nodes, batch, bit)
+        count = self._count[slot] = self._count[slot] + new
         self._log[slot].append(batch)
-        self._logged[slot] += len(batch)
-        self._compact_if_stale(slot)  # blocks stored again (a predicted cache re-stores a routed prefix)
+        logged = self._logged[slot] = self._logged[slot] + len(batch)
+        if logged > 2 * count + 1024:  # blocks stored again (a predicted cache re-stores a routed prefix)
+            self._compact(slot)
+        return True
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
         slot = self._slot_of.get(worker)
@@ -167,15 +195,15 @@ class KvIndexer:
                 else:
                     del nodes[h]
         self._count[slot] -= gone
-        self._compact_if_stale(slot)
-
-    def _compact_if_stale(self, slot: int) -> None:
-        """Rewrite the log as what the worker holds once it is mostly removed or repeated blocks (amortized:
-        the log has grown by at least the worker's blocks since it was last rewritten)."""
         if self._logged[slot] > 2 * self._count[slot] + 1024:
-            held = self._held(slot)
-            self._log[slot] = [tuple(held)] if held else []
-            self._logged[slot] = len(held)
+            self._compact(slot)
+
+    def _compact(self, slot: int) -> None:
+        """Rewrite the log as what the worker holds, once it is mostly removed or repeated blocks (amortized:
+        the log has grown by at least the worker's blocks since it was last rewritten)."""
+        held = self._held(slot)
+        self._log[slot] = [tuple(held)] if held else []
+        self._logged[slot] = len(held)
 
     def holds(self, worker: WorkerId, seq_hash: int) -> bool:
         slot = self._slot_of.get(worker)

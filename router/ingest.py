@@ -210,8 +210,13 @@ class EventIngestor:
         if state is None:
             state = self._workers[worker] = _WorkerState()
         for event in events:
-            if type(event) is ProjectBlockStored:
-                self._store_trusted(worker, event)
+            if type(event) is ProjectBlockStored:  # the hot path, inline: a trusted worker's hashes as they are
+                if event.block_size != self.block_size:
+                    self._reject(worker, event, -1)
+                elif self.indexer.store(worker, event.block_hashes, after=event.parent_block_hash):
+                    self.stats.blocks_stored += len(event.block_hashes)
+                else:
+                    self.stats.unknown_parent += 1
             elif isinstance(event, BlockStored):
                 self._store(worker, state, event)
             elif isinstance(event, BlockRemoved):
@@ -223,17 +228,6 @@ class EventIngestor:
                 self.indexer.clear_worker(worker)
                 state.engine_to_project.clear()
                 self.stats.clears += 1
-
-    def _store_trusted(self, worker: WorkerId, event: ProjectBlockStored) -> None:
-        if event.block_size != self.block_size:
-            self._reject(worker, event, -1)
-            return
-        parent = event.parent_block_hash
-        if parent is not None and not self.indexer.holds(worker, parent):
-            self.stats.unknown_parent += 1
-            return
-        self.indexer.store(worker, event.block_hashes)
-        self.stats.blocks_stored += len(event.block_hashes)
 
     def _reject(self, worker: WorkerId, event: BlockStored, tokens: int) -> None:
         self.stats.rejected += 1

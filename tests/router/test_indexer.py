@@ -1,6 +1,10 @@
 """The indexer against a brute-force model: random stored / removed / cleared streams and worker removals."""
 
 import hashlib
+import importlib
+import random
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -8,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from router.hashing import block_hashes
+from router import indexer as indexer_module
 from router.indexer import IndexerSnapshot, KvIndexer
 from router.ingest import Delivery, EventIngestor
 
@@ -18,6 +23,15 @@ BYSTANDERS = [f"bystander-{i}" for i in range(66)]
 STEM = list(range(1000, 1000 + 3 * BLOCK))
 PROMPTS = [STEM[: (p % 3) * BLOCK] + [p * 100 + i for i in range(8 * BLOCK)] for p in range(4)]
 CHAINS = [block_hashes(p, BLOCK) for p in PROMPTS]
+
+
+@pytest.fixture(autouse=True, scope="module", params=["compiled", "python"])
+def store_build(request):
+    """Every test here runs on both builds of the indexer's store: router/_index.c and its Python twin."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "python":
+            patch.setattr(indexer_module, "_add", indexer_module._add_py)
+        yield request.param
 
 
 class Model:
@@ -199,3 +213,43 @@ def test_a_churning_worker_keeps_what_the_indexer_logs_for_it_bounded():
     assert indexer.blocks_of("w") == 4 and indexer.memory().approx_bytes < one_round + 100_000
     indexer.clear_worker("w")
     assert indexer.find_matches(chain) == {} and indexer.memory().nodes == 0 and indexer.blocks_of("w") == 0
+
+
+def test_the_install_built_the_compiled_store():
+    """pyproject.toml builds router/_index.c (optional: the install goes on without a compiler, with a
+    warning); the test venv must have it, or the C half of every test here would be the Python one."""
+    assert importlib.import_module("router._index").add is not indexer_module._add_py
+
+
+def test_the_compiled_and_python_stores_agree_block_for_block():
+    compiled = importlib.import_module("router._index").add
+    rng = random.Random(0)
+    pool = [rng.getrandbits(64) for _ in range(40)]
+    for _ in range(300):
+        start = {h: rng.getrandbits(rng.choice((3, 70, 600))) | 1 for h in rng.sample(pool, rng.randrange(20))}
+        batch = tuple(rng.choice(pool) for _ in range(rng.randrange(12)))  # repeats and known blocks
+        bit = 1 << rng.choice((0, 1, 63, 64, 65, 513))
+        ours, theirs = dict(start), dict(start)
+        assert compiled(ours, batch, bit) == indexer_module._add_py(theirs, batch, bit)
+        assert ours == theirs
+    with pytest.raises(TypeError, match=r"add\(nodes: dict, batch: tuple, bit: int\)"):
+        compiled({}, [1, 2], 1)
+
+
+def test_a_store_after_a_block_the_worker_lacks_stores_nothing():
+    indexer = KvIndexer()
+    chain = CHAINS[0]
+    assert not indexer.store("w", chain[1:], after=chain[0])  # a worker the indexer has not seen
+    assert indexer.workers == []
+    assert indexer.store("w", chain[:1]) and indexer.store("w", chain[1:3], after=chain[0])
+    assert not indexer.store("v", chain[3:], after=chain[2])  # held, but by another worker
+    assert indexer.find_matches(chain) == {"w": 3} and indexer.blocks_of("v") == 0
+
+
+def test_without_the_compiled_store_the_indexer_says_so_and_works():
+    code = ("import sys; sys.modules['router._index'] = None\n"  # as if the install had no compiler
+            "from router.indexer import KvIndexer, _add, _add_py\n"
+            "i = KvIndexer(); i.store('w', [1, 2, 3]); assert _add is _add_py and i.find_matches([1, 2]) == {'w': 2}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "router._index is not built" in done.stderr and "slower event ingest" in done.stderr
