@@ -1,5 +1,5 @@
 /* router.indexer's `_add` in C: the ingest hot path (a batch of blocks into the index's dict of worker
- * bitmasks), built at install (pyproject.toml, ext-modules, optional). router/indexer.py has the same
+ * bitmasks), built at install (setup.py, optional). router/indexer.py has the same
  * function in Python, used when this is not built; tests/router/test_indexer.py runs both. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
