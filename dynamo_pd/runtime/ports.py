@@ -13,10 +13,21 @@ from urllib.parse import urlsplit
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now on `host`, and none this process was given before: once the probe socket closes the
+    kernel may hand the same port to the next probe, and two picks in a row (an HTTP and a discovery port)
+    would then collide."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port on {host} that this process was not already given (100 probes)")
 
 
 def advertise_host(host: str, advertise: str = "", toward: str = "") -> str:
