@@ -24,10 +24,17 @@ READY_TIMEOUT_S = 1500  # install + model fetch + start, on 2 cores
 STOP_TIMEOUT_S = 30
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: every probe stays bound until all are picked (the kernel may hand a closed
+    probe's port to the next probe). Runs before the install, so not dynamo_pd.runtime.ports."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for s in probes:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in probes]
+    finally:
+        for s in probes:
+            s.close()
 
 
 def post(url: str, body: dict, timeout: float = 180) -> urllib.request.addinfourl:
@@ -49,7 +56,7 @@ def group_members(pgid: int) -> list[int]:
 
 
 def check(work: Path) -> str:
-    port, discovery_port = free_port(), free_port()
+    port, discovery_port = free_ports(2)
     env = dict(os.environ, DYNAMO_PD_VENV=str(work / "venv"), DYNAMO_PD_CACHE=str(work / "cache"))
     (work / "cache").mkdir()
     log_path = work / "serve.log"
