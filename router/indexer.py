@@ -170,11 +170,10 @@ class KvIndexer:
                     new += 1
         else:
             new = _add(nodes, batch, bit)
-        count = self._count[slot] = self._count[slot] + new
+        self._count[slot] += new
         self._log[slot].append(batch)
-        logged = self._logged[slot] = self._logged[slot] + len(batch)
-        if logged > 2 * count + 1024:  # blocks stored again (a predicted cache re-stores a routed prefix)
-            self._compact(slot)
+        self._logged[slot] += len(batch)
+        self._compact_if_stale(slot)  # blocks stored again (a predicted cache re-stores a routed prefix)
         return True
 
     def remove(self, worker: WorkerId, seq_hashes: Iterable[int]) -> None:
@@ -195,15 +194,15 @@ class KvIndexer:
                 else:
                     del nodes[h]
         self._count[slot] -= gone
-        if self._logged[slot] > 2 * self._count[slot] + 1024:
-            self._compact(slot)
+        self._compact_if_stale(slot)
 
-    def _compact(self, slot: int) -> None:
-        """Rewrite the log as what the worker holds, once it is mostly removed or repeated blocks (amortized:
+    def _compact_if_stale(self, slot: int) -> None:
+        """Rewrite the log as what the worker holds once it is mostly removed or repeated blocks (amortized:
         the log has grown by at least the worker's blocks since it was last rewritten)."""
-        held = self._held(slot)
-        self._log[slot] = [tuple(held)] if held else []
-        self._logged[slot] = len(held)
+        if self._logged[slot] > 2 * self._count[slot] + 1024:
+            held = self._held(slot)
+            self._log[slot] = [tuple(held)] if held else []
+            self._logged[slot] = len(held)
 
     def holds(self, worker: WorkerId, seq_hash: int) -> bool:
         slot = self._slot_of.get(worker)
