@@ -16,10 +16,10 @@ ensure_venv() {
   [ -z "$new" ] || python -m pip install -q --upgrade pip
 }
 
-# What the test install was made from (setup.py builds router/_index.c, the C the install compiles): while
+# What the test install was made from (setup.py builds the C files below, which the install compiles): while
 # it is unchanged, `./dev.sh test` skips pip (about 30 s of resolving what is already there).
 dev_stamp() {
-  cat pyproject.toml setup.py dev.sh router/_index.c | sha256sum
+  cat pyproject.toml setup.py dev.sh router/_index.c dynamo_pd/engines/native/_kernels.c | sha256sum
 }
 
 install_base() {

@@ -3,7 +3,8 @@
 A step's tokens are flattened into one batch: first every single-token query (decodes, and
 prefill chunks of one token), then the multi-token prefill chunks. New K/V are written into
 their cache slots; decodes then attend together over their gathered blocks, and each prefill
-chunk attends over its own context.
+chunk attends over its own context. On a CPU in float32 the decodes read their blocks in place
+(kernels.decode_attention_); elsewhere they attend over a gathered copy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dynamo_pd.engines.native.kernels import decode_attention_, in_c
 
 
 @dataclass
@@ -29,7 +32,7 @@ class AttentionBatch:
     slot_offsets: torch.Tensor  # [tokens] its place in that block
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool: slot in use
+    decode_lens: torch.Tensor | None  # [num_decode] tokens each decode attends over, its new one included
     prefills: list[PrefillChunk]
 
 
@@ -57,7 +60,9 @@ def paged_attention(
     out = q.new_empty(tokens, heads, head_dim)
 
     n = batch.num_decode
-    if n:
+    if n and in_c(q):
+        decode_attention_(q[:n], k_cache, v_cache, batch.decode_block_tables, batch.decode_lens, out)
+    elif n:
         # One query per sequence: fold the query heads sharing a KV head into the query axis,
         # so no KV head is repeated. [n, kv_heads, group, d] against [n, kv_heads, L, d].
         # index_select: on CPU far faster than advanced indexing for whole-block gathers.
@@ -65,7 +70,8 @@ def paged_attention(
         keys = k_cache.index_select(0, blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, blocks).view(n, -1, kv_heads, head_dim).transpose(1, 2)
         queries = q[:n].view(n, kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
+        in_use = torch.arange(keys.shape[2], device=q.device)[None, :] < batch.decode_lens[:, None]
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=in_use.view(n, 1, 1, -1))
         out[:n] = attended.reshape(n, heads, head_dim)
 
     for chunk in batch.prefills:
@@ -83,3 +89,4 @@ def paged_attention(
         )
         out[rows] = attended[0].transpose(0, 1)
     return out.view(tokens, heads * head_dim)
+

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from dynamo_pd.engines.native.attention import AttentionBatch, paged_attention
 from dynamo_pd.engines.native.config import ModelConfig, rope_tables
+from dynamo_pd.engines.native.kernels import add_rms_norm, rope_
 from dynamo_pd.engines.native.loader import ModelWeights, linear
 
 
@@ -15,12 +16,6 @@ class LlamaModel:
         self.cfg = cfg
         self.weights = weights
         self.cos, self.sin = rope_tables(cfg, max_len, device)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Hugging Face's rotate-half convention: the two halves of head_dim form the pairs.
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -34,22 +29,22 @@ class LlamaModel:
         cfg, w = self.cfg, self.weights
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.cos[positions], self.sin[positions]  # [tokens, head_dim // 2]
         eps = cfg.rms_norm_eps
-        hidden = w.embed[input_ids]
+        hidden = w.embed[input_ids]  # a copy: the residual stream is added to in place
         tokens = hidden.shape[0]
+        delta = None  # what the last sublayer adds to the residual stream, added by the next norm
         for i, layer in enumerate(w.layers):
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, eps)
+            x = add_rms_norm(hidden, delta, layer.input_norm, eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)
-            # q and k rotate together: one rope call for both.
-            qk = self._rope(qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
+            # q and k rotate together, in place: one call for both.
+            qk = qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
+            rope_(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], batch)
-            hidden = hidden + linear(attn, layer.o_proj)
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, eps)
+            x = add_rms_norm(hidden, linear(attn, layer.o_proj), layer.post_norm, eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + linear(F.silu(gate) * up, layer.down)
-        last = F.rms_norm(hidden[logit_rows], (cfg.hidden_size,), w.norm, eps)
+            delta = linear(F.silu(gate) * up, layer.down)
+        last = add_rms_norm(hidden[logit_rows], delta[logit_rows], w.norm, eps)
         return linear(last, w.lm_head).float()

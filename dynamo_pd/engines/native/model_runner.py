@@ -55,13 +55,11 @@ class ModelRunner:
             if pos + 1 == len(seq.token_ids):
                 rows_to_sample.append(row)
                 seqs_to_sample.append(seq)
-        decode_tables = decode_mask = None
+        decode_tables = decode_lens = None
         if decodes:
             width = max(len(seq.block_table) for seq in decodes)
             decode_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes])
-            context_lens = self._tensor(positions) + 1
-            in_use = torch.arange(width * bs, device=self.device)[None, :] < context_lens[:, None]
-            decode_mask = in_use.view(len(decodes), 1, 1, width * bs)
+            decode_lens = self._tensor(positions) + 1
 
         prefills = []
         for seq, n in chunks:
@@ -88,7 +86,7 @@ class ModelRunner:
             slot_offsets=slots_t % bs,
             num_decode=len(decodes),
             decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_lens=decode_lens,
             prefills=prefills,
         )
         logits = self.model.forward(

@@ -1,0 +1,78 @@
+"""The native engine's hot non-matmul steps: on a CPU in float32 in C (_kernels.c, built by the install: decode
+attention reading the paged cache in place, residual add fused with RMS norm, rotary embedding in place),
+elsewhere the same arithmetic in torch. Where the C is not built the import warns once."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from dynamo_pd.engines.native import _kernels
+except ImportError:
+    _kernels = None
+    logging.getLogger(__name__).warning(
+        "dynamo_pd.engines.native._kernels is not built (no C compiler at install?): the native engine runs "
+        "its CPU steps in torch (decode attention gathers each sequence's KV blocks into a copy; slower); "
+        "reinstall with gcc and the Python headers to build it")
+
+
+def in_c(x: torch.Tensor) -> bool:
+    return _kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _dense_rows(*tensors: torch.Tensor) -> None:
+    # the C takes raw pointers: a layout it cannot read is a bug here, not something to compute wrong
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the native engine's C kernels need contiguous tensors")
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hidden += delta in place (none if None); returns RMS-normalized hidden times weight. [rows, dim]."""
+    if not in_c(hidden):
+        if delta is not None:
+            hidden += delta
+        return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps)
+    _dense_rows(hidden, weight, *(() if delta is None else (delta,)))
+    out = torch.empty_like(hidden)
+    _kernels.add_rms_norm(hidden.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                          out.data_ptr(), hidden.shape[0], hidden.shape[1], torch.get_num_threads(), eps)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x ([tokens, heads, head_dim], heads dense, rows strided) in place, Hugging Face's rotate-half
+    convention (the two halves of head_dim form the pairs); cos and sin are each token's, [tokens, head_dim // 2]
+    float32."""
+    if not in_c(x):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+        return
+    tokens, heads, dim = x.shape
+    if x.stride()[1:] != (dim, 1):
+        raise ValueError("rope_ needs dense heads")
+    _dense_rows(cos, sin)
+    _kernels.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
+                  torch.get_num_threads())
+
+
+def decode_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                      lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Into the first len(q) rows of out: each query row ([n, heads, head_dim]) attends over its sequence's
+    lens[i] cached tokens, found through tables[i] (blocks of the block-major cache), read in place. C only:
+    attention.py gathers the blocks for SDPA where in_c is false."""
+    n, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    inner = (kv_heads * head_dim, head_dim, 1)
+    if (q.stride()[1:] != (head_dim, 1) or k_cache.stride()[1:] != inner or v_cache.stride() != k_cache.stride()
+            or k_cache.dtype != torch.float32 or tables.dtype != torch.long or lens.dtype != torch.long):
+        raise ValueError("decode attention in place needs dense head rows, a block-major float32 cache and "
+                         "int64 block tables and lengths")
+    _dense_rows(tables, lens, out)
+    _kernels.decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads,
+                    heads // kv_heads, head_dim, block_size, torch.get_num_threads(), 1 / math.sqrt(head_dim))

@@ -1,0 +1,141 @@
+"""The native engine's CPU float32 kernels (engines/native/_kernels.c) give the torch path's results: decode
+attention read in place against gathered blocks and SDPA (scattered block tables, every length around a block
+edge, grouped and plain heads, a head size that is not a multiple of the kernel's 16 lanes, any thread count,
+beside a prefill chunk in one batch), the fused residual add and RMS norm against F.rms_norm, and rotary
+embedding bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch.nn.functional as F
+
+from dynamo_pd.engines.native import kernels
+from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, paged_attention
+from dynamo_pd.engines.native.kernels import add_rms_norm, rope_
+
+BLOCK = 16
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Runs a function on its torch path (as where the kernels are not built)."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "_kernels", None)
+            return fn(*args)
+    return run
+
+
+def make_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int, prefill: int = 0):
+    """A block-major two-layer cache (as model_runner allocates it) with each sequence's blocks scattered, and
+    one new token per decode plus, optionally, a fresh prompt of `prefill` tokens after them."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(lens)
+    tables_list, free = [], torch.randperm(400, generator=gen).tolist()
+    for length in lens:
+        tables_list.append([free.pop() for _ in range(-(-length // BLOCK))])
+    width = max(len(t) for t in tables_list)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables_list])
+    cache = torch.randn(400, 2, 2, BLOCK, kv_heads, head_dim, generator=gen).permute(1, 2, 0, 3, 4, 5)
+    tokens = n + prefill
+    qk = torch.randn(tokens, heads + kv_heads, head_dim, generator=gen)  # q is a strided view, as in the model
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    lens_t = torch.tensor(lens)
+    slot_blocks = [tables_list[i][(lens[i] - 1) // BLOCK] for i in range(n)]
+    slot_offsets = [(length - 1) % BLOCK for length in lens]
+    prefills = []
+    if prefill:
+        table = [free.pop() for _ in range(-(-prefill // BLOCK))]
+        slot_blocks += [table[p // BLOCK] for p in range(prefill)]
+        slot_offsets += [p % BLOCK for p in range(prefill)]
+        prefills.append(PrefillChunk(start=n, end=n + prefill, block_table=torch.tensor(table),
+                                     context_len=prefill, mask=None))
+    batch = AttentionBatch(slot_blocks=torch.tensor(slot_blocks), slot_offsets=torch.tensor(slot_offsets),
+                           num_decode=n, decode_block_tables=tables if n else None,
+                           decode_lens=lens_t if n else None, prefills=prefills)
+    return qk[:, :heads], k, v, cache[1, 0], cache[1, 1], batch
+
+
+def test_the_install_built_the_kernels():
+    """setup.py builds _kernels.c (optional: without a compiler the install goes on, with a warning)."""
+    assert kernels._kernels is not None and kernels.in_c(torch.zeros(1))
+    assert not kernels.in_c(torch.zeros(1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (2, 1, 128)])
+def test_decode_in_place_equals_the_torch_path(heads, kv_heads, head_dim, torch_path):
+    lens = [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 3, 150, 77, 300]
+    q, k, v, k_cache, v_cache, batch = make_case(heads * head_dim, lens, heads, kv_heads, head_dim)
+    expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 64):  # 64: more threads than (sequence, head) tasks
+            torch.set_num_threads(threads)
+            got = paged_attention(q, k, v, k_cache, v_cache, batch)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decodes_beside_a_prefill_chunk_equal_the_torch_path(torch_path):
+    q, k, v, k_cache, v_cache, batch = make_case(7, [40, 5, 17], 9, 3, 64, prefill=23)
+    expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
+    torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layout_the_kernel_cannot_read_is_refused():
+    q, k, v, k_cache, v_cache, batch = make_case(3, [20, 9], 9, 3, 64)
+    batch.decode_block_tables = batch.decode_block_tables.int()
+    with pytest.raises(ValueError, match="int64 block tables"):
+        paged_attention(q, k, v, k_cache, v_cache, batch)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(torch.ones(4, 8).t(), None, torch.ones(4), 1e-5)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 100), (300, 576)])  # 300 x 576: the threaded branch
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_equals_adding_then_f_rms_norm(rows, dim, with_delta, torch_path):
+    gen = torch.Generator().manual_seed(rows + dim)
+    hidden, weight = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    delta = torch.randn(rows, dim, generator=gen) if with_delta else None
+    theirs = hidden.clone()
+    expected = torch_path(add_rms_norm, theirs, delta, weight, 1e-5)
+    ours = hidden.clone()
+    got = add_rms_norm(ours, delta, weight, 1e-5)
+    assert torch.equal(ours, theirs)  # the residual add, in place, exactly
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.rms_norm(theirs, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700: the threaded branch
+def test_rope_in_place_is_bit_identical_to_the_torch_path(tokens, torch_path):
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    views = []
+    for _ in range(2):  # q and k as the model holds them: a strided view of the fused projection's rows
+        copy = qkv.clone()
+        views.append((copy, copy[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)))
+    torch_path(rope_, views[0][1], cos, sin)
+    rope_(views[1][1], cos, sin)
+    assert torch.equal(views[1][0], views[0][0])
+    assert not torch.equal(views[1][0], qkv)
+
+
+def test_without_the_kernels_the_engine_says_so_and_works():
+    code = ("import sys; sys.modules['dynamo_pd.engines.native._kernels'] = None\n"  # as if no compiler
+            "import torch; from dynamo_pd.engines.native import kernels\n"
+            "assert not kernels.in_c(torch.zeros(1))\n"
+            "x = torch.ones(2, 4); out = kernels.add_rms_norm(x, torch.ones(2, 4), torch.ones(4), 1e-6)\n"
+            "assert torch.allclose(out, torch.ones(2, 4)) and torch.equal(x, torch.full((2, 4), 2.0))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "_kernels is not built" in done.stderr and "gathers each sequence's KV blocks" in done.stderr
