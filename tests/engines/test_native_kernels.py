@@ -83,6 +83,14 @@ def test_decode_in_place_equals_the_torch_path(heads, kv_heads, head_dim, torch_
         torch.set_num_threads(before)
 
 
+def test_decode_in_place_with_scores_far_apart_equals_the_torch_path(torch_path):
+    """Scores hundreds apart: the kernel's exp clamps below -87, where the torch path's weights are 0 or tiny."""
+    q, k, v, k_cache, v_cache, batch = make_case(11, [1, 40, 200], 9, 3, 64)
+    q = q * 400
+    expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
+    torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decodes_beside_a_prefill_chunk_equal_the_torch_path(torch_path):
     q, k, v, k_cache, v_cache, batch = make_case(7, [40, 5, 17], 9, 3, 64, prefill=23)
     expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)

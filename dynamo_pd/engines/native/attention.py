@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynamo_pd.engines.native.kernels import decode_attention_, in_c
+from dynamo_pd.engines.native.kernels import decode_attention_, in_c, store_kv_
 
 
 @dataclass
@@ -54,9 +54,7 @@ def paged_attention(
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    slots = (batch.slot_blocks, batch.slot_offsets)
-    k_cache.index_put_(slots, k)
-    v_cache.index_put_(slots, v)
+    store_kv_(k, v, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets)
     out = q.new_empty(tokens, heads, head_dim)
 
     n = batch.num_decode

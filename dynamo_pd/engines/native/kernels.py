@@ -1,5 +1,6 @@
 """The native engine's hot non-matmul steps: on a CPU in float32 in C (_kernels.c, built by the install: decode
-attention reading the paged cache in place, residual add fused with RMS norm, rotary embedding in place),
+attention reading the paged cache in place, new K and V into their slots, residual add fused with RMS norm,
+rotary embedding in place),
 elsewhere the same arithmetic in torch. Where the C is not built the import warns once."""
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _dense_rows(cos, sin)
     _kernels.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
                   torch.get_num_threads())
+
+
+def store_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Writes each token's K and V ([tokens, kv_heads, head_dim], heads dense) into its slot of the block-major
+    cache ([blocks, block_size, kv_heads, head_dim])."""
+    if not in_c(k):
+        k_cache.index_put_((slot_blocks, slot_offsets), k)
+        v_cache.index_put_((slot_blocks, slot_offsets), v)
+        return
+    tokens, kv_heads, dim = k.shape
+    dense = (kv_heads * dim, dim, 1)
+    if (k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1) or k_cache.stride()[1:] != dense
+            or v_cache.stride() != k_cache.stride() or k_cache.dtype != torch.float32
+            or slot_blocks.dtype != torch.long or slot_offsets.dtype != torch.long):
+        raise ValueError("store_kv_ needs dense heads, a block-major float32 cache and int64 slots")
+    _dense_rows(slot_blocks, slot_offsets)
+    _kernels.store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                   k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens, kv_heads * dim)
 
 
 def decode_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
