@@ -9,5 +9,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("router._index", ["router/_index.c"], optional=True),
     Extension("dynamo_pd.engines.native._kernels", ["dynamo_pd/engines/native/_kernels.c"], optional=True,
-              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"], extra_link_args=["-fopenmp"]),
+              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"],
+              extra_link_args=["-fopenmp"]),
 ])

@@ -87,4 +87,3 @@ def paged_attention(
         )
         out[rows] = attended[0].transpose(0, 1)
     return out.view(tokens, heads * head_dim)
-

@@ -1,7 +1,7 @@
-"""The native engine's hot non-matmul steps: on a CPU in float32 in C (_kernels.c, built by the install: decode
-attention reading the paged cache in place, new K and V into their slots, residual add fused with RMS norm,
-rotary embedding in place),
-elsewhere the same arithmetic in torch. Where the C is not built the import warns once."""
+"""The native engine's hot steps besides the matmuls: decode attention reading the paged cache in place, new K
+and V into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32
+they run in C (_kernels.c, built by the install), elsewhere as the same arithmetic in torch; where the C is not
+built, the import warns once."""
 
 from __future__ import annotations
 
