@@ -1,5 +1,6 @@
 """The native engine's projections in oneDNN's layout (loader.pack / linear) give F.linear's
-result on every row count a step may have, with and without bias; bfloat16 and other devices stay plain."""
+result on every row count a step may have, with and without bias, in float32 and (where the CPU has
+AVX512-BF16) bfloat16; other dtypes and devices stay plain."""
 
 from __future__ import annotations
 
@@ -26,8 +27,21 @@ def test_a_packed_projection_equals_f_linear(rows, with_bias):
     assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))  # a plain weight: F.linear itself
 
 
-def test_only_cpu_float32_is_packed():
+def test_cpu_float32_and_native_bfloat16_are_packed():
     cpu = torch.device("cpu")
     assert packs_weights(cpu, torch.float32) is torch.backends.mkldnn.is_available()
-    assert not packs_weights(cpu, torch.bfloat16)
+    assert packs_weights(cpu, torch.bfloat16) is (
+        torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported())
+    assert not packs_weights(cpu, torch.float16)
     assert not packs_weights(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.skipif(not packs_weights(torch.device("cpu"), torch.bfloat16), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 8, 33, 300])
+def test_a_packed_bfloat16_projection_equals_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(960, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    out = linear(x, pack(weight))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 960)
+    torch.testing.assert_close(out, F.linear(x, weight))

