@@ -205,8 +205,8 @@ def main() -> None:
 
     results = run_all(args)
     base = results.get("transformers")
-    print(f"\nOutput tokens/s, {os.path.basename(args.model)}, float32 unless -bf16, {args.max_tokens} tokens per request, "
-          f"{args.threads} threads, best of {args.rounds} interleaved rounds (x: vs transformers)\n")
+    print(f"\nOutput tokens/s, {os.path.basename(args.model)}, float32 unless -bf16, {args.max_tokens} tokens "
+          f"per request, {args.threads} threads, best of {args.rounds} interleaved rounds (x: vs transformers)\n")
     print("| engine | " + " | ".join(f"batch {b}" for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))
     for engine, rates in results.items():

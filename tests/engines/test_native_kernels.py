@@ -100,7 +100,7 @@ def test_decodes_beside_a_prefill_chunk_equal_the_torch_path(torch_path):
 def test_a_layout_the_kernel_cannot_read_is_refused():
     q, k, v, k_cache, v_cache, batch = make_case(3, [20, 9], 9, 3, 64)
     batch.decode_block_tables = batch.decode_block_tables.int()
-    with pytest.raises(ValueError, match="int64 block tables"):
+    with pytest.raises(ValueError, match="int64 indices"):
         paged_attention(q, k, v, k_cache, v_cache, batch)
     with pytest.raises(ValueError, match="contiguous"):
         add_rms_norm(torch.ones(4, 8).t(), None, torch.ones(4), 1e-5)

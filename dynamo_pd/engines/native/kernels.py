@@ -31,6 +31,16 @@ def _dense_rows(*tensors: torch.Tensor) -> None:
         raise ValueError("the native engine's C kernels need contiguous tensors")
 
 
+def _block_major(k_cache: torch.Tensor, v_cache: torch.Tensor, *indices: torch.Tensor) -> None:
+    """The caches as model_runner allocates them ([blocks, block_size, kv_heads, head_dim], dense within a block,
+    float32) and int64 indices into them, or a ValueError."""
+    _, _, kv_heads, dim = k_cache.shape
+    if (k_cache.stride()[1:] != (kv_heads * dim, dim, 1) or v_cache.stride() != k_cache.stride()
+            or k_cache.dtype != torch.float32 or any(i.dtype != torch.long for i in indices)):
+        raise ValueError("the native engine's C kernels need a block-major float32 KV cache and int64 indices")
+    _dense_rows(*indices)
+
+
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """hidden += delta in place (none if None); returns RMS-normalized hidden times weight. [rows, dim]."""
     if not in_c(hidden):
@@ -70,12 +80,9 @@ def store_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         v_cache.index_put_((slot_blocks, slot_offsets), v)
         return
     tokens, kv_heads, dim = k.shape
-    dense = (kv_heads * dim, dim, 1)
-    if (k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1) or k_cache.stride()[1:] != dense
-            or v_cache.stride() != k_cache.stride() or k_cache.dtype != torch.float32
-            or slot_blocks.dtype != torch.long or slot_offsets.dtype != torch.long):
-        raise ValueError("store_kv_ needs dense heads, a block-major float32 cache and int64 slots")
-    _dense_rows(slot_blocks, slot_offsets)
+    if k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1):
+        raise ValueError("store_kv_ needs dense heads")
+    _block_major(k_cache, v_cache, slot_blocks, slot_offsets)
     _kernels.store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                    k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens, kv_heads * dim)
 
@@ -87,12 +94,10 @@ def decode_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     attention.py gathers the blocks for SDPA where in_c is false."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    inner = (kv_heads * head_dim, head_dim, 1)
-    if (q.stride()[1:] != (head_dim, 1) or k_cache.stride()[1:] != inner or v_cache.stride() != k_cache.stride()
-            or k_cache.dtype != torch.float32 or tables.dtype != torch.long or lens.dtype != torch.long):
-        raise ValueError("decode attention in place needs dense head rows, a block-major float32 cache and "
-                         "int64 block tables and lengths")
-    _dense_rows(tables, lens, out)
+    if q.stride()[1:] != (head_dim, 1):
+        raise ValueError("decode attention in place needs dense head rows")
+    _block_major(k_cache, v_cache, tables, lens)
+    _dense_rows(out)
     _kernels.decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads,
                     heads // kv_heads, head_dim, block_size, torch.get_num_threads(), 1 / math.sqrt(head_dim))
