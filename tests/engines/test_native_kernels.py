@@ -1,8 +1,8 @@
-"""The native engine's CPU float32 kernels (engines/native/_kernels.c) give the torch path's results: decode
-attention read in place against gathered blocks and SDPA (scattered block tables, every length around a block
-edge, grouped and plain heads, a head size that is not a multiple of the kernel's 16 lanes, any thread count,
-beside a prefill chunk in one batch), the fused residual add and RMS norm against F.rms_norm, and rotary
-embedding bit for bit."""
+"""The native engine's CPU kernels (engines/native/_kernels.c) give the torch path's results, in float32 and
+bfloat16: decode attention read in place against gathered blocks and SDPA (scattered block tables, every length
+around a block edge, grouped and plain heads, head sizes 32 to 128, any thread count, beside a prefill chunk in
+one batch; a head size the kernel's 16 lanes do not divide takes the torch path), the fused residual add and RMS
+norm against F.rms_norm, and rotary embedding bit for bit."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def make_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: i
 def test_the_install_built_the_kernels():
     """setup.py builds _kernels.c (optional: without a compiler the install goes on, with a warning)."""
     assert kernels._kernels is not None and kernels.in_c(torch.zeros(1))
-    assert not kernels.in_c(torch.zeros(1, dtype=torch.bfloat16))
+    assert kernels.in_c(torch.zeros(1, dtype=torch.bfloat16)) and not kernels.in_c(torch.zeros(1, dtype=torch.half))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 48), (2, 1, 128)])
@@ -97,6 +97,27 @@ def test_decodes_beside_a_prefill_chunk_equal_the_torch_path(torch_path):
     torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_decode_reads_the_cache_as_it_is_and_equals_the_torch_path(torch_path):
+    case = make_case(5, [1, BLOCK + 1, 150, 77], 9, 3, 64, prefill=9)
+    q, k, v, k_cache, v_cache = (t.to(torch.bfloat16) for t in case[:5])
+    theirs = k_cache.clone(), v_cache.clone()
+    expected = torch_path(paged_attention, q, k, v, *theirs, case[5])
+    got = paged_attention(q, k, v, k_cache, v_cache, case[5])
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(k_cache, theirs[0]) and torch.equal(v_cache, theirs[1])  # the new K and V, stored alike
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)  # one bfloat16 rounding of the output apart
+
+
+def test_a_head_size_the_lanes_do_not_divide_takes_the_torch_path(torch_path):
+    q, k, v, k_cache, v_cache, batch = make_case(9, [3, 40, 100], 4, 2, 40)
+    assert not kernels.decodes_in_c(q)
+    expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
+    torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.decode_attention_(q.contiguous(), k_cache, v_cache, batch.decode_block_tables, batch.decode_lens,
+                                  torch.empty(3, 4, 40))
+
+
 def test_a_layout_the_kernel_cannot_read_is_refused():
     q, k, v, k_cache, v_cache, batch = make_case(3, [20, 9], 9, 3, 64)
     batch.decode_block_tables = batch.decode_block_tables.int()
@@ -108,24 +129,28 @@ def test_a_layout_the_kernel_cannot_read_is_refused():
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (7, 100), (300, 576)])  # 300 x 576: the threaded branch
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm_equals_adding_then_f_rms_norm(rows, dim, with_delta, torch_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_adding_then_f_rms_norm(rows, dim, with_delta, dtype, torch_path):
     gen = torch.Generator().manual_seed(rows + dim)
-    hidden, weight = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
-    delta = torch.randn(rows, dim, generator=gen) if with_delta else None
+    hidden, weight = (torch.randn(rows, dim, generator=gen) * 3).to(dtype), torch.randn(dim, generator=gen).to(dtype)
+    delta = torch.randn(rows, dim, generator=gen).to(dtype) if with_delta else None
     theirs = hidden.clone()
     expected = torch_path(add_rms_norm, theirs, delta, weight, 1e-5)
     ours = hidden.clone()
     got = add_rms_norm(ours, delta, weight, 1e-5)
-    assert torch.equal(ours, theirs)  # the residual add, in place, exactly
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, F.rms_norm(theirs, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    assert torch.equal(ours, theirs)  # the residual add, in place, exactly (in bfloat16: rounded alike)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: a last-bit rounding of the output apart at most
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, F.rms_norm(theirs, (dim,), weight, 1e-5), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 700])  # 700: the threaded branch
-def test_rope_in_place_is_bit_identical_to_the_torch_path(tokens, torch_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_is_bit_identical_to_the_torch_path(tokens, dtype, torch_path):
     gen = torch.Generator().manual_seed(tokens)
     heads, kv_heads, dim = 9, 3, 64
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     angles = torch.rand(tokens, dim // 2, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
     views = []

@@ -25,11 +25,12 @@ step slower). */
 #endif
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float32 or bfloat16 (kv_bf16) */
     const int64_t *tables, *lens;
     float *out;
     int64_t q_stride, block_stride, width;
-    int kv_heads, group, dim, block_size;
+    int kv_heads, group, dim, block_size, kv_bf16;
     float scale;
 } Job;
 
@@ -46,36 +47,58 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, int count, int64_t *ou
     return 1;
 }
 
+/* 16 floats: one AVX-512 register, two AVX2 or four SSE ones in the clones below. Loaded and stored through
+   memcpy: rows are 4-byte aligned only. */
+typedef float vec __attribute__((vector_size(64)));
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* 16 floats at element i of a float32 or bfloat16 array (a bfloat16 is a float32's upper half). */
+static inline vec load_as_float(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return load((const float *)base + i);
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    u16x16 half;
+    memcpy(&half, (const uint16_t *)base + i, sizeof half);
+    const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* Sums 16 lanes pairwise (a chain of 4 adds, not 16). */
-static inline float fold(float *acc) {
-    for (int w = 8; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    return acc[0];
+static inline float hsum(vec v) {
+    typedef float half __attribute__((vector_size(32)));
+    typedef float quarter __attribute__((vector_size(16)));
+    const half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* 16 lanes accumulated in order (vectorizes without reassociating a sum), then hsum. */
 static inline float dot(const float *a, const float *b, int n) {
-    float acc[16] = {0}; /* 16 independent lanes: vectorizes without reassociating a sum */
+    vec acc = {0};
     int i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    return fold(acc);
-}
-
-static inline void axpy(float *restrict acc, float p, const float *restrict x, int n) {
-    int i = 0;
-    for (; i + 16 <= n; i += 16) /* a fixed trip count: no alignment peeling for 64-float rows */
-        for (int j = 0; j < 16; j++) acc[i + j] += p * x[i + j];
-    for (; i < n; i++) acc[i] += p * x[i];
+    for (; i + 16 <= n; i += 16) acc += load(a + i) * load(b + i);
+    float tail = 0;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return hsum(acc) + tail;
 }
 
 static inline float sum(const float *x, int64_t n) {
-    float acc[16] = {0};
+    vec acc = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += x[i + j];
-    for (; i < n; i++) acc[0] += x[i];
-    return fold(acc);
+    for (; i + 16 <= n; i += 16) acc += load(x + i);
+    float tail = 0;
+    for (; i < n; i++) tail += x[i];
+    return hsum(acc) + tail;
 }
 
 /* e^x for x <= 0, within 1.3 ulp (checked on 2e7 points of [-87, 0]), branch-free so a loop over it
@@ -104,143 +127,234 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* One sequence, all its heads: a cached token's K (or V) rows for every KV head are one dense run, read in
-   order (a task per KV head read a third of each run at a time: 23 to 28 against 13 to 16 ms over a batch-32
-   step's 30 layers). */
-CLONES static void attend(const Job *j, int64_t seq, float *scores, float *acc) {
+/* One sequence, all its heads; dim a multiple of 16. Scores go token by token, each cached token's K rows for
+   every KV head being one dense run (a task per KV head read a third of each run at a time: 23 to 28 against 13
+   to 16 ms over a batch-32 step's 30 layers); the block after the current one is prefetched, and the current
+   block's V rows, for the pass over values that follows (a block is block_size rows: the hardware prefetcher
+   stops at each jump, 10 against 8.6 ms a step). Values go head by head, the head's accumulators in
+   registers. Inlined where dim is a constant (attend below), so the 16-float chunks of a row unroll. */
+static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64_t seq, float *scores,
+                                                            const int dim, const int bf16) {
     const int64_t len = j->lens[seq];
-    const int kv_heads = j->kv_heads, group = j->group, dim = j->dim, bs = j->block_size, heads = kv_heads * group;
+    const int kv_heads = j->kv_heads, group = j->group, bs = j->block_size, chunks = dim / 16;
     const int64_t *table = j->tables + seq * j->width;
-    const int64_t token_stride = (int64_t)kv_heads * dim;
+    const int64_t token_stride = (int64_t)kv_heads * dim, block_bytes = bs * token_stride * (bf16 ? 2 : 4);
     const float *q = j->q + seq * j->q_stride;
 
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const float *key = j->k + table[t0 / bs] * j->block_stride;
-        for (int64_t t = t0; t < t0 + bs && t < len; t++, key += token_stride)
-            for (int h = 0; h < heads; h++)
-                scores[h * len + t] = dot(q + h * dim, key + h / group * dim, dim) * j->scale;
+        const int64_t block = table[t0 / bs] * j->block_stride;
+        const char *next = t0 + bs < len ? (const char *)j->k + table[t0 / bs + 1] * j->block_stride * (bf16 ? 2 : 4) : NULL;
+        const char *values = (const char *)j->v + block * (bf16 ? 2 : 4);
+        for (int64_t c = 0; c < block_bytes; c += 64) {
+            if (next) __builtin_prefetch(next + c);
+            __builtin_prefetch(values + c);
+        }
+        for (int64_t t = t0, key = block; t < t0 + bs && t < len; t++, key += token_stride)
+            for (int g = 0, h = 0; g < kv_heads; g++)
+                for (int i = 0; i < group; i++, h++) {
+                    vec acc = load(q + h * dim) * load_as_float(j->k, key + g * dim, bf16);
+                    for (int c = 1; c < chunks; c++)
+                        acc += load(q + h * dim + c * 16) * load_as_float(j->k, key + g * dim + c * 16, bf16);
+                    scores[h * len + t] = hsum(acc) * j->scale;
+                }
     }
-    float inv_sum[heads];
-    for (int h = 0; h < heads; h++) {
-        float *s = scores + h * len, top = s[0];
-        for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - top);
-        inv_sum[h] = 1.0f / sum(s, len);
-    }
-    memset(acc, 0, sizeof(float) * heads * dim);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const float *value = j->v + table[t0 / bs] * j->block_stride;
-        for (int64_t t = t0; t < t0 + bs && t < len; t++, value += token_stride)
-            for (int h = 0; h < heads; h++) axpy(acc + h * dim, scores[h * len + t], value + h / group * dim, dim);
-    }
-    float *out = j->out + seq * heads * dim;
-    for (int h = 0; h < heads; h++)
-        for (int d = 0; d < dim; d++) out[h * dim + d] = acc[h * dim + d] * inv_sum[h];
+    float *out = j->out + seq * kv_heads * group * dim;
+    for (int g = 0, h = 0; g < kv_heads; g++)
+        for (int i = 0; i < group; i++, h++) {
+            float *s = scores + h * len, top = s[0];
+            for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+            for (int64_t t = 0; t < len; t++) s[t] = exp_nonpositive(s[t] - top);
+            const float inv_sum = 1.0f / sum(s, len);
+            vec acc[chunks];
+            for (int c = 0; c < chunks; c++) acc[c] = (vec){0};
+            for (int64_t t0 = 0; t0 < len; t0 += bs) {
+                int64_t value = table[t0 / bs] * j->block_stride + g * dim;
+                for (int64_t t = t0; t < t0 + bs && t < len; t++, value += token_stride)
+                    for (int c = 0; c < chunks; c++) acc[c] += s[t] * load_as_float(j->v, value + c * 16, bf16);
+            }
+            for (int c = 0; c < chunks; c++) store_vec(out + h * dim + c * 16, acc[c] * inv_sum);
+        }
 }
 
-/* decode(q, q_stride, k, v, block_stride, tables, width, lens, out, n, kv_heads, group, dim, block_size,
-          threads, scale): pointers as ints; q rows [n][kv_heads * group * dim] q_stride apart, k and v
-   [blocks][block_size][kv_heads][dim] with blocks block_stride apart, tables [n][width], lens [n] (int64),
-   out [n][kv_heads * group * dim]. Strides in elements. */
+/* dim 64 and 128 (most models') as constants; bfloat16 or float32 K and V. */
+CLONES static void attend(const Job *j, int64_t seq, float *scores) {
+    const int bf16 = j->kv_bf16;
+    if (j->dim == 64)
+        bf16 ? attend_dim(j, seq, scores, 64, 1) : attend_dim(j, seq, scores, 64, 0);
+    else if (j->dim == 128)
+        bf16 ? attend_dim(j, seq, scores, 128, 1) : attend_dim(j, seq, scores, 128, 0);
+    else
+        bf16 ? attend_dim(j, seq, scores, j->dim, 1) : attend_dim(j, seq, scores, j->dim, 0);
+}
+
+/* decode(q, q_stride, k, v, kv_bf16, block_stride, tables, width, lens, out, n, kv_heads, group, dim, block_size,
+          threads, scale): pointers as ints; q rows [n][kv_heads * group * dim] float32, q_stride apart; k and v
+   [blocks][block_size][kv_heads][dim], float32 or (kv_bf16) bfloat16, blocks block_stride apart; tables
+   [n][width], lens [n] (int64); out [n][kv_heads * group * dim] float32. Strides in elements; dim a multiple of
+   16. */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[15];
+    int64_t a[16];
     double scale;
-    if (!parse(args, nargs, 15, a, 1, &scale)) return NULL;
-    const int threads = (int)a[14];
-    const int64_t n = a[9], kv_heads = a[10], group = a[11], dim = a[12];
-    if (n < 0 || kv_heads < 1 || group < 1 || dim < 1 || a[13] < 1)
+    if (!parse(args, nargs, 16, a, 1, &scale)) return NULL;
+    const int threads = (int)a[15];
+    const int64_t n = a[10], kv_heads = a[11], group = a[12], dim = a[13];
+    if (n < 0 || kv_heads < 1 || group < 1 || dim < 16 || dim % 16 || a[14] < 1)
         return PyErr_Format(PyExc_ValueError, "decode: bad shape");
-    const int64_t *lens = (const int64_t *)(intptr_t)a[7];
+    const int64_t *lens = (const int64_t *)(intptr_t)a[8];
     int64_t max_len = 1;
     for (int64_t s = 0; s < n; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
 
     const Job job = {
-        .q = (const float *)(intptr_t)a[0], .q_stride = a[1], .k = (const float *)(intptr_t)a[2],
-        .v = (const float *)(intptr_t)a[3], .block_stride = a[4], .tables = (const int64_t *)(intptr_t)a[5],
-        .width = a[6], .lens = lens, .out = (float *)(intptr_t)a[8], .kv_heads = (int)kv_heads,
-        .group = (int)group, .dim = (int)dim, .block_size = (int)a[13], .scale = (float)scale,
+        .q = (const float *)(intptr_t)a[0], .q_stride = a[1], .k = (const void *)(intptr_t)a[2],
+        .v = (const void *)(intptr_t)a[3], .kv_bf16 = a[4] != 0, .block_stride = a[5],
+        .tables = (const int64_t *)(intptr_t)a[6], .width = a[7], .lens = lens, .out = (float *)(intptr_t)a[9],
+        .kv_heads = (int)kv_heads, .group = (int)group, .dim = (int)dim, .block_size = (int)a[14],
+        .scale = (float)scale,
     };
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
     {
-        /* per thread: softmax scores and output accumulators */
-        float *scratch = malloc(sizeof(float) * kv_heads * group * (max_len + dim));
-        failed = scratch == NULL;
+        float *scores = malloc(sizeof(float) * kv_heads * group * max_len); /* per thread */
+        failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int64_t seq = 0; seq < n; seq++)
-            if (scratch) attend(&job, seq, scratch, scratch + kv_heads * group * max_len);
-        free(scratch);
+            if (scores) attend(&job, seq, scores);
+        free(scores);
     }
     Py_END_ALLOW_THREADS
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-CLONES static void add_norm_row(float *hidden, const float *delta, const float *weight, float *out, int64_t dim,
-                                float eps) {
-    if (delta)
-        for (int64_t d = 0; d < dim; d++) hidden[d] += delta[d];
-    const float r = 1.0f / sqrtf(dot(hidden, hidden, (int)dim) / (float)dim + eps);
-    for (int64_t d = 0; d < dim; d++) out[d] = weight[d] * (hidden[d] * r); /* transformers' order */
+/* A float32 or bfloat16 array's element i as a float, and a float stored into one (bfloat16: rounded to nearest
+   even, NaN kept quiet, as torch rounds). */
+static inline float get(const void *p, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
 
-/* add_rms_norm(hidden, delta, weight, out, rows, dim, threads, eps): hidden += delta (delta 0: none), in place;
-   out = RMS-normalized hidden times weight. All [rows][dim] dense, weight [dim]. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline void put(void *p, int64_t i, float x, const int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* One row; tmp (dim floats) holds a bfloat16 row widened. */
+static inline __attribute__((always_inline)) void add_norm_row_of(void *hidden, const void *delta, const void *weight,
+                                                                 void *out, int64_t dim, float eps, float *tmp,
+                                                                 const int bf16) {
+    float *row = bf16 ? tmp : (float *)hidden;
+    for (int64_t d = 0; d < dim; d++) {
+        float h = get(hidden, d, bf16);
+        if (delta) {
+            h += get(delta, d, bf16);
+            put(hidden, d, h, bf16);
+            h = get(hidden, d, bf16); /* the sum as stored: rounded in bfloat16, as torch's add rounds it */
+        }
+        row[d] = h;
+    }
+    const float r = 1.0f / sqrtf(dot(row, row, (int)dim) / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) put(out, d, get(weight, d, bf16) * (row[d] * r), bf16); /* torch's order */
+}
+
+CLONES static void add_norm_row(void *hidden, const void *delta, const void *weight, void *out, int64_t dim, float eps,
+                                float *tmp, int bf16) {
+    if (bf16)
+        add_norm_row_of(hidden, delta, weight, out, dim, eps, tmp, 1);
+    else
+        add_norm_row_of(hidden, delta, weight, out, dim, eps, tmp, 0);
+}
+
+/* add_rms_norm(hidden, delta, weight, out, rows, dim, threads, bf16, eps): hidden += delta (delta 0: none), in
+   place; out = RMS-normalized hidden times weight. All [rows][dim] dense, weight [dim]; float32 or (bf16)
+   bfloat16, the arithmetic in float32. */
 static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[7];
+    int64_t a[8];
     double eps;
-    if (!parse(args, nargs, 7, a, 1, &eps)) return NULL;
-    float *hidden = (float *)(intptr_t)a[0], *out = (float *)(intptr_t)a[3];
-    const float *delta = (const float *)(intptr_t)a[1], *weight = (const float *)(intptr_t)a[2];
-    const int64_t rows = a[4], dim = a[5];
+    if (!parse(args, nargs, 8, a, 1, &eps)) return NULL;
+    char *hidden = (char *)(intptr_t)a[0], *out = (char *)(intptr_t)a[3];
+    const char *delta = (const char *)(intptr_t)a[1], *weight = (const char *)(intptr_t)a[2];
+    const int64_t rows = a[4], dim = a[5], bf16 = a[7] != 0, row_bytes = dim * (bf16 ? 2 : 4);
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(static) num_threads(a[6] < 1 ? 1 : a[6]) if (rows * dim > 65536)
-    for (int64_t r = 0; r < rows; r++)
-        add_norm_row(hidden + r * dim, delta ? delta + r * dim : NULL, weight, out + r * dim, dim, (float)eps);
+#pragma omp parallel num_threads(a[6] < 1 ? 1 : a[6]) if (rows * dim > 65536) reduction(| : failed)
+    {
+        float *tmp = bf16 ? malloc(sizeof(float) * dim) : NULL;
+        failed = bf16 && tmp == NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (!failed)
+                add_norm_row(hidden + r * row_bytes, delta ? delta + r * row_bytes : NULL, weight, out + r * row_bytes,
+                             dim, (float)eps, tmp, (int)bf16);
+        free(tmp);
+    }
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-CLONES static void rope_row(float *x, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+static inline __attribute__((always_inline)) void rope_row_of(void *x, int64_t heads, int64_t dim, const float *cos,
+                                                             const float *sin, const int bf16) {
     const int64_t half = dim / 2;
-    for (int64_t h = 0; h < heads; h++, x += dim)
-        for (int64_t i = 0; i < half; i++) {
-            const float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * cos[i] - x2 * sin[i];
-            x[i + half] = x2 * cos[i] + x1 * sin[i];
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = h * dim; i < h * dim + half; i++) {
+            const float x1 = get(x, i, bf16), x2 = get(x, i + half, bf16), c = cos[i - h * dim], s = sin[i - h * dim];
+            put(x, i, x1 * c - x2 * s, bf16);
+            put(x, i + half, x2 * c + x1 * s, bf16);
         }
 }
 
-/* rope(x, row_stride, cos, sin, tokens, heads, dim, threads): rotates x[t][h][0:dim] in place, Hugging Face's
-   rotate-half pairs (i, i + dim / 2); rows row_stride apart, heads dense; cos and sin [tokens][dim / 2]. */
+CLONES static void rope_row(void *x, int64_t heads, int64_t dim, const float *cos, const float *sin, int bf16) {
+    if (bf16)
+        rope_row_of(x, heads, dim, cos, sin, 1);
+    else
+        rope_row_of(x, heads, dim, cos, sin, 0);
+}
+
+/* rope(x, row_stride, cos, sin, tokens, heads, dim, threads, bf16): rotates x[t][h][0:dim] in place, Hugging
+   Face's rotate-half pairs (i, i + dim / 2), in float32; x float32 or (bf16) bfloat16, rows row_stride elements
+   apart, heads dense; cos and sin [tokens][dim / 2] float32. */
 static PyObject *rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[8];
-    if (!parse(args, nargs, 8, a, 0, NULL)) return NULL;
-    float *x = (float *)(intptr_t)a[0];
+    int64_t a[9];
+    if (!parse(args, nargs, 9, a, 0, NULL)) return NULL;
+    char *x = (char *)(intptr_t)a[0];
     const float *cos = (const float *)(intptr_t)a[2], *sin = (const float *)(intptr_t)a[3];
-    const int64_t stride = a[1], tokens = a[4], heads = a[5], dim = a[6], half = dim / 2;
+    const int64_t stride = a[1] * (a[8] ? 2 : 4), tokens = a[4], heads = a[5], dim = a[6], half = dim / 2;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for schedule(static) num_threads(a[7] < 1 ? 1 : a[7]) if (tokens * heads * dim > 65536)
-    for (int64_t t = 0; t < tokens; t++) rope_row(x + t * stride, heads, dim, cos + t * half, sin + t * half);
+    for (int64_t t = 0; t < tokens; t++)
+        rope_row(x + t * stride, heads, dim, cos + t * half, sin + t * half, (int)a[8]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* store(k, v, k_stride, v_stride, k_cache, v_cache, block_stride, slot_blocks, slot_offsets, tokens, width):
-   copies each token's K and V rows (width floats, rows k_stride and v_stride apart) into its cache slot (int64
-   block, offset); the caches [blocks][block_size][width] with blocks block_stride apart. */
+/* store(k, v, k_stride, v_stride, k_cache, v_cache, block_stride, slot_blocks, slot_offsets, tokens, width,
+         itemsize): copies each token's K and V rows (width elements of itemsize bytes, rows k_stride and v_stride
+   apart) into its cache slot (int64 block, offset); the caches [blocks][block_size][width] with blocks
+   block_stride apart. Strides in elements. */
 static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[11];
-    if (!parse(args, nargs, 11, a, 0, NULL)) return NULL;
-    const float *k = (const float *)(intptr_t)a[0], *v = (const float *)(intptr_t)a[1];
-    float *k_cache = (float *)(intptr_t)a[4], *v_cache = (float *)(intptr_t)a[5];
+    int64_t a[12];
+    if (!parse(args, nargs, 12, a, 0, NULL)) return NULL;
+    const char *k = (const char *)(intptr_t)a[0], *v = (const char *)(intptr_t)a[1];
+    char *k_cache = (char *)(intptr_t)a[4], *v_cache = (char *)(intptr_t)a[5];
     const int64_t *blocks = (const int64_t *)(intptr_t)a[7], *offsets = (const int64_t *)(intptr_t)a[8];
-    const int64_t block_stride = a[6], tokens = a[9], width = a[10];
+    const int64_t block_stride = a[6], tokens = a[9], width = a[10], size = a[11];
     for (int64_t t = 0; t < tokens; t++) {
-        const int64_t slot = blocks[t] * block_stride + offsets[t] * width;
-        memcpy(k_cache + slot, k + t * a[2], sizeof(float) * width);
-        memcpy(v_cache + slot, v + t * a[3], sizeof(float) * width);
+        const int64_t slot = (blocks[t] * block_stride + offsets[t] * width) * size;
+        memcpy(k_cache + slot, k + t * a[2] * size, size * width);
+        memcpy(v_cache + slot, v + t * a[3] * size, size * width);
     }
     Py_RETURN_NONE;
 }

@@ -3,8 +3,8 @@
 A step's tokens are flattened into one batch: first every single-token query (decodes, and
 prefill chunks of one token), then the multi-token prefill chunks. New K/V are written into
 their cache slots; decodes then attend together over their gathered blocks, and each prefill
-chunk attends over its own context. On a CPU in float32 the decodes read their blocks in place
-(kernels.decode_attention_); elsewhere they attend over a gathered copy.
+chunk attends over its own context. On a CPU (float32 or bfloat16) the decodes read their blocks in
+place (kernels.decode_attention_); elsewhere they attend over a gathered copy.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dynamo_pd.engines.native.kernels import decode_attention_, in_c, store_kv_
+from dynamo_pd.engines.native.kernels import decode_attention_, decodes_in_c, store_kv_
 
 
 @dataclass
@@ -58,7 +58,7 @@ def paged_attention(
     out = q.new_empty(tokens, heads, head_dim)
 
     n = batch.num_decode
-    if n and in_c(q):
+    if n and decodes_in_c(q):
         decode_attention_(q[:n], k_cache, v_cache, batch.decode_block_tables, batch.decode_lens, out)
     elif n:
         # One query per sequence: fold the query heads sharing a KV head into the query axis,

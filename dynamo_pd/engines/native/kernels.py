@@ -1,7 +1,7 @@
 """The native engine's hot steps besides the matmuls: decode attention reading the paged cache in place, new K
-and V into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32
-they run in C (_kernels.c, built by the install), elsewhere as the same arithmetic in torch; where the C is not
-built, the import warns once."""
+and V into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32 or
+bfloat16 they run in C (_kernels.c, built by the install), elsewhere as the same arithmetic in torch; where the C
+is not built, the import warns once."""
 
 from __future__ import annotations
 
@@ -21,23 +21,36 @@ except ImportError:
         "reinstall with gcc and the Python headers to build it")
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def in_c(x: torch.Tensor) -> bool:
-    return _kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
+    return _kernels is not None and x.device.type == "cpu" and x.dtype in _DTYPES
 
 
-def _dense_rows(*tensors: torch.Tensor) -> None:
+def decodes_in_c(q: torch.Tensor) -> bool:
+    """Whether decode_attention_ runs for these queries ([n, heads, head_dim]): in_c, and a head_dim that is a
+    multiple of the kernel's 16 lanes (every Llama-family model's)."""
+    return in_c(q) and q.shape[-1] % 16 == 0
+
+
+def _dense_rows(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     # the C takes raw pointers: a layout it cannot read is a bug here, not something to compute wrong
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("the native engine's C kernels need contiguous tensors")
+    if dtype is not None and any(t.dtype != dtype for t in tensors):
+        raise ValueError(f"the native engine's C kernels need {dtype} here")
 
 
 def _block_major(k_cache: torch.Tensor, v_cache: torch.Tensor, *indices: torch.Tensor) -> None:
     """The caches as model_runner allocates them ([blocks, block_size, kv_heads, head_dim], dense within a block,
-    float32) and int64 indices into them, or a ValueError."""
+    float32 or bfloat16) and int64 indices into them, or a ValueError."""
     _, _, kv_heads, dim = k_cache.shape
     if (k_cache.stride()[1:] != (kv_heads * dim, dim, 1) or v_cache.stride() != k_cache.stride()
-            or k_cache.dtype != torch.float32 or any(i.dtype != torch.long for i in indices)):
-        raise ValueError("the native engine's C kernels need a block-major float32 KV cache and int64 indices")
+            or k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype
+            or any(i.dtype != torch.long for i in indices)):
+        raise ValueError("the native engine's C kernels need a block-major float32 or bfloat16 KV cache and int64 "
+                         "indices")
     _dense_rows(*indices)
 
 
@@ -47,10 +60,11 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
         if delta is not None:
             hidden += delta
         return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps)
-    _dense_rows(hidden, weight, *(() if delta is None else (delta,)))
+    _dense_rows(hidden, weight, *(() if delta is None else (delta,)), dtype=hidden.dtype)
     out = torch.empty_like(hidden)
     _kernels.add_rms_norm(hidden.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
-                          out.data_ptr(), hidden.shape[0], hidden.shape[1], torch.get_num_threads(), eps)
+                          out.data_ptr(), hidden.shape[0], hidden.shape[1], torch.get_num_threads(),
+                          int(hidden.dtype == torch.bfloat16), eps)
     return out
 
 
@@ -66,9 +80,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     tokens, heads, dim = x.shape
     if x.stride()[1:] != (dim, 1):
         raise ValueError("rope_ needs dense heads")
-    _dense_rows(cos, sin)
+    _dense_rows(cos, sin, dtype=torch.float32)
     _kernels.rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
-                  torch.get_num_threads())
+                  torch.get_num_threads(), int(x.dtype == torch.bfloat16))
 
 
 def store_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,21 +97,34 @@ def store_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1):
         raise ValueError("store_kv_ needs dense heads")
     _block_major(k_cache, v_cache, slot_blocks, slot_offsets)
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype:
+        raise ValueError("store_kv_ needs K and V in the cache's dtype")
     _kernels.store(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                   k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens, kv_heads * dim)
+                   k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens, kv_heads * dim,
+                   k.element_size())
 
 
 def decode_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                       lens: torch.Tensor, out: torch.Tensor) -> None:
     """Into the first len(q) rows of out: each query row ([n, heads, head_dim]) attends over its sequence's
-    lens[i] cached tokens, found through tables[i] (blocks of the block-major cache), read in place. C only:
-    attention.py gathers the blocks for SDPA where in_c is false."""
+    lens[i] cached tokens, found through tables[i] (blocks of the block-major cache), read in place. C only
+    (where decodes_in_c): attention.py gathers the blocks for SDPA elsewhere. In bfloat16 the kernel takes the
+    queries and gives its output in float32 (n rows: small copies), and reads the cache as it is."""
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if q.stride()[1:] != (head_dim, 1):
-        raise ValueError("decode attention in place needs dense head rows")
+    if not decodes_in_c(q) or q.dtype != k_cache.dtype:
+        raise ValueError("decode_attention_ needs float32 or bfloat16 queries in the cache's dtype, head_dim a "
+                         "multiple of 16")
     _block_major(k_cache, v_cache, tables, lens)
     _dense_rows(out)
-    _kernels.decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads,
+    bf16 = q.dtype == torch.bfloat16
+    if bf16:
+        q = q.float()
+    elif q.stride()[1:] != (head_dim, 1):
+        raise ValueError("decode attention in place needs dense head rows")
+    result = out.new_empty(n, heads, head_dim, dtype=torch.float32) if bf16 else out
+    _kernels.decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(bf16), k_cache.stride(0),
+                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), result.data_ptr(), n, kv_heads,
                     heads // kv_heads, head_dim, block_size, torch.get_num_threads(), 1 / math.sqrt(head_dim))
+    if bf16:
+        out[:n] = result
