@@ -1,8 +1,9 @@
-/* The native engine's CPU float32 kernels, where a step spent its time outside the matmuls: decode attention
-over the paged KV cache read in place, the new tokens' K and V written into it, the residual add fused with RMS
-norm, and rotary embedding in place. kernels.py calls them, and runs the same arithmetic in torch where they are
-not built (or not on a CPU in float32). Built with -ffp-contract=off, so each product rounds as torch's does
-(the rotation is bit-identical to transformers'), and -fno-trapping-math, so the exp's clamps vectorize.
+/* The native engine's CPU kernels, float32 and bfloat16 (the arithmetic in float32), where a step spent its time
+outside the matmuls: decode attention over the paged KV cache read in place, the new tokens' K and V written into
+it, the residual add fused with RMS norm, and rotary embedding in place. kernels.py calls them, and runs the same
+arithmetic in torch where they are not built (or not on a CPU). Built with -ffp-contract=off, so each product
+rounds as torch's does (the rotation is bit-identical to transformers'), and -fno-trapping-math, so the exp's
+clamps vectorize.
 
 Decode attention: each sequence's one query token attends over its cached keys and values, found through its
 block table. The torch path gathers every sequence's blocks into a dense copy first (index_select), which moves
@@ -142,9 +143,9 @@ static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64
     const float *q = j->q + seq * j->q_stride;
 
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t block = table[t0 / bs] * j->block_stride;
-        const char *next = t0 + bs < len ? (const char *)j->k + table[t0 / bs + 1] * j->block_stride * (bf16 ? 2 : 4) : NULL;
-        const char *values = (const char *)j->v + block * (bf16 ? 2 : 4);
+        const int64_t block = table[t0 / bs] * j->block_stride, size = bf16 ? 2 : 4;
+        const char *next = t0 + bs < len ? (const char *)j->k + table[t0 / bs + 1] * j->block_stride * size : NULL;
+        const char *values = (const char *)j->v + block * size;
         for (int64_t c = 0; c < block_bytes; c += 64) {
             if (next) __builtin_prefetch(next + c);
             __builtin_prefetch(values + c);
@@ -269,8 +270,8 @@ static inline __attribute__((always_inline)) void add_norm_row_of(void *hidden, 
     for (int64_t d = 0; d < dim; d++) put(out, d, get(weight, d, bf16) * (row[d] * r), bf16); /* torch's order */
 }
 
-CLONES static void add_norm_row(void *hidden, const void *delta, const void *weight, void *out, int64_t dim, float eps,
-                                float *tmp, int bf16) {
+CLONES static void add_norm_row(void *hidden, const void *delta, const void *weight, void *out, int64_t dim,
+                                float eps, float *tmp, int bf16) {
     if (bf16)
         add_norm_row_of(hidden, delta, weight, out, dim, eps, tmp, 1);
     else
@@ -296,8 +297,8 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             if (!failed)
-                add_norm_row(hidden + r * row_bytes, delta ? delta + r * row_bytes : NULL, weight, out + r * row_bytes,
-                             dim, (float)eps, tmp, (int)bf16);
+                add_norm_row(hidden + r * row_bytes, delta ? delta + r * row_bytes : NULL, weight,
+                             out + r * row_bytes, dim, (float)eps, tmp, (int)bf16);
         free(tmp);
     }
     Py_END_ALLOW_THREADS
