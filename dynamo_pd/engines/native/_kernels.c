@@ -139,11 +139,11 @@ static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64
     const int64_t len = j->lens[seq];
     const int kv_heads = j->kv_heads, group = j->group, bs = j->block_size, chunks = dim / 16;
     const int64_t *table = j->tables + seq * j->width;
-    const int64_t token_stride = (int64_t)kv_heads * dim, block_bytes = bs * token_stride * (bf16 ? 2 : 4);
+    const int64_t token_stride = (int64_t)kv_heads * dim, size = bf16 ? 2 : 4, block_bytes = bs * token_stride * size;
     const float *q = j->q + seq * j->q_stride;
 
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t block = table[t0 / bs] * j->block_stride, size = bf16 ? 2 : 4;
+        const int64_t block = table[t0 / bs] * j->block_stride;
         const char *next = t0 + bs < len ? (const char *)j->k + table[t0 / bs + 1] * j->block_stride * size : NULL;
         const char *values = (const char *)j->v + block * size;
         for (int64_t c = 0; c < block_bytes; c += 64) {
@@ -309,11 +309,11 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t 
 static inline __attribute__((always_inline)) void rope_row_of(void *x, int64_t heads, int64_t dim, const float *cos,
                                                              const float *sin, const int bf16) {
     const int64_t half = dim / 2;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t i = h * dim; i < h * dim + half; i++) {
-            const float x1 = get(x, i, bf16), x2 = get(x, i + half, bf16), c = cos[i - h * dim], s = sin[i - h * dim];
-            put(x, i, x1 * c - x2 * s, bf16);
-            put(x, i + half, x2 * c + x1 * s, bf16);
+    for (int64_t head = 0; head < heads * dim; head += dim)
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = get(x, head + i, bf16), x2 = get(x, head + i + half, bf16);
+            put(x, head + i, x1 * cos[i] - x2 * sin[i], bf16);
+            put(x, head + i + half, x2 * cos[i] + x1 * sin[i], bf16);
         }
 }
 
