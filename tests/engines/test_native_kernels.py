@@ -1,8 +1,9 @@
 """The native engine's CPU kernels (engines/native/_kernels.c) give the torch path's results, in float32 and
-bfloat16: decode attention read in place against gathered blocks and SDPA (scattered block tables, every length
-around a block edge, grouped and plain heads, head sizes 32 to 128, any thread count, beside a prefill chunk in
-one batch; a head size the kernel's 16 lanes do not divide takes the torch path), the fused residual add and RMS
-norm against F.rms_norm, and rotary embedding bit for bit."""
+bfloat16: attention read in place against gathered blocks and SDPA (scattered block tables, every length around
+a block edge, grouped and plain heads, head sizes 32 to 128, any thread count; prefill rows, fresh or after a
+cached context, beside decodes or alone, short chunks in the kernel and long ones with SDPA; a head size the
+kernel's 16 lanes do not divide takes the torch path), the fused residual add and RMS norm against F.rms_norm,
+and rotary embedding bit for bit."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 import torch.nn.functional as F
 
-from dynamo_pd.engines.native import kernels
+from dynamo_pd.engines.native import attention, kernels
 from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, paged_attention
 from dynamo_pd.engines.native.kernels import add_rms_norm, rope_
 
@@ -31,34 +32,38 @@ def torch_path(monkeypatch):
     return run
 
 
-def make_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int, prefill: int = 0):
-    """A block-major two-layer cache (as model_runner allocates it) with each sequence's blocks scattered, and
-    one new token per decode plus, optionally, a fresh prompt of `prefill` tokens after them."""
+def make_case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int,
+              chunks: list[tuple[int, int]] = ()):
+    """A block-major two-layer cache (as model_runner allocates it) with each sequence's blocks scattered, one new
+    token per decode and, after the decodes, prefill chunks of (tokens, tokens already cached before them: 0 for a
+    fresh prompt), the rows laid out as model_runner lays them out (give chunks shortest context first)."""
     gen = torch.Generator().manual_seed(seed)
     n = len(lens)
     tables_list, free = [], torch.randperm(400, generator=gen).tolist()
     for length in lens:
         tables_list.append([free.pop() for _ in range(-(-length // BLOCK))])
-    width = max(len(t) for t in tables_list)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables_list])
     cache = torch.randn(400, 2, 2, BLOCK, kv_heads, head_dim, generator=gen).permute(1, 2, 0, 3, 4, 5)
-    tokens = n + prefill
+    tokens = n + sum(size for size, _ in chunks)
     qk = torch.randn(tokens, heads + kv_heads, head_dim, generator=gen)  # q is a strided view, as in the model
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
-    lens_t = torch.tensor(lens)
     slot_blocks = [tables_list[i][(lens[i] - 1) // BLOCK] for i in range(n)]
     slot_offsets = [(length - 1) % BLOCK for length in lens]
-    prefills = []
-    if prefill:
-        table = [free.pop() for _ in range(-(-prefill // BLOCK))]
-        slot_blocks += [table[p // BLOCK] for p in range(prefill)]
-        slot_offsets += [p % BLOCK for p in range(prefill)]
-        prefills.append(PrefillChunk(start=n, end=n + prefill, block_table=torch.tensor(table),
-                                     context_len=prefill, mask=None))
+    row_seqs, row_lens, prefills = list(range(n)), list(lens), []
+    for size, cached in chunks:
+        context, start = cached + size, len(row_seqs)
+        table = [free.pop() for _ in range(-(-context // BLOCK))]
+        slot_blocks += [table[p // BLOCK] for p in range(cached, context)]
+        slot_offsets += [p % BLOCK for p in range(cached, context)]
+        row_seqs += [len(tables_list)] * size
+        row_lens += list(range(cached + 1, context + 1))
+        tables_list.append(table)
+        prefills.append(PrefillChunk(start=start, end=start + size, context_len=context))
+    width = max(len(t) for t in tables_list)
     batch = AttentionBatch(slot_blocks=torch.tensor(slot_blocks), slot_offsets=torch.tensor(slot_offsets),
-                           num_decode=n, decode_block_tables=tables if n else None,
-                           decode_lens=lens_t if n else None, prefills=prefills)
+                           num_decode=n, block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables_list]),
+                           row_seqs=torch.tensor(row_seqs), row_lens=torch.tensor(row_lens),
+                           decode_width=max((len(t) for t in tables_list[:n]), default=0), prefills=prefills)
     return qk[:, :heads], k, v, cache[1, 0], cache[1, 1], batch
 
 
@@ -75,7 +80,7 @@ def test_decode_in_place_equals_the_torch_path(heads, kv_heads, head_dim, torch_
     expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2, 3, 64):  # 64: more threads than (sequence, head) tasks
+        for threads in (1, 2, 3, 64):  # 64: more threads than rows
             torch.set_num_threads(threads)
             got = paged_attention(q, k, v, k_cache, v_cache, batch)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -91,14 +96,24 @@ def test_decode_in_place_with_scores_far_apart_equals_the_torch_path(torch_path)
     torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_decodes_beside_a_prefill_chunk_equal_the_torch_path(torch_path):
-    q, k, v, k_cache, v_cache, batch = make_case(7, [40, 5, 17], 9, 3, 64, prefill=23)
+@pytest.mark.parametrize("chunks", [[(23, 0)], [(40, 37)], [(1, 300)], [(300, 0)],
+                                    [(23, 0), (40, 37), (60, 200), (300, 0)]])
+@pytest.mark.parametrize("decodes", [[], [40, 5, 17]])
+def test_prefill_rows_attend_as_the_torch_path_does(chunks, decodes, torch_path, monkeypatch):
+    """Fresh prompts and chunks after a cached context (chunked prefill, a prefix hit), alone, together or beside
+    decodes: every row attends over its own position's prefix; the decodes' rows and those of chunks with under
+    C_PREFILL_CONTEXT tokens of context in the kernel, in one call, the longer chunks with SDPA."""
+    q, k, v, k_cache, v_cache, batch = make_case(7 + len(chunks) + chunks[0][1], decodes, 9, 3, 64, chunks)
     expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
+    calls = []
+    monkeypatch.setattr(attention, "attention_", lambda q, *a: calls.append(len(q)) or kernels.attention_(q, *a))
     torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
+    in_kernel = len(decodes) + sum(size for size, cached in chunks if size + cached < attention.C_PREFILL_CONTEXT)
+    assert calls == ([in_kernel] if in_kernel else [])
 
 
-def test_bfloat16_decode_reads_the_cache_as_it_is_and_equals_the_torch_path(torch_path):
-    case = make_case(5, [1, BLOCK + 1, 150, 77], 9, 3, 64, prefill=9)
+def test_bfloat16_attention_reads_the_cache_as_it_is_and_equals_the_torch_path(torch_path):
+    case = make_case(5, [1, BLOCK + 1, 150, 77], 9, 3, 64, [(9, 0)])
     q, k, v, k_cache, v_cache = (t.to(torch.bfloat16) for t in case[:5])
     theirs = k_cache.clone(), v_cache.clone()
     expected = torch_path(paged_attention, q, k, v, *theirs, case[5])
@@ -110,17 +125,17 @@ def test_bfloat16_decode_reads_the_cache_as_it_is_and_equals_the_torch_path(torc
 
 def test_a_head_size_the_lanes_do_not_divide_takes_the_torch_path(torch_path):
     q, k, v, k_cache, v_cache, batch = make_case(9, [3, 40, 100], 4, 2, 40)
-    assert not kernels.decodes_in_c(q)
+    assert not kernels.attends_in_c(q)
     expected = torch_path(paged_attention, q, k, v, k_cache.clone(), v_cache.clone(), batch)
     torch.testing.assert_close(paged_attention(q, k, v, k_cache, v_cache, batch), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 16"):
-        kernels.decode_attention_(q.contiguous(), k_cache, v_cache, batch.decode_block_tables, batch.decode_lens,
-                                  torch.empty(3, 4, 40))
+        kernels.attention_(q.contiguous(), k_cache, v_cache, batch.block_tables, batch.row_seqs, batch.row_lens,
+                           torch.empty(3, 4, 40))
 
 
 def test_a_layout_the_kernel_cannot_read_is_refused():
     q, k, v, k_cache, v_cache, batch = make_case(3, [20, 9], 9, 3, 64)
-    batch.decode_block_tables = batch.decode_block_tables.int()
+    batch.block_tables = batch.block_tables.int()
     with pytest.raises(ValueError, match="int64 indices"):
         paged_attention(q, k, v, k_cache, v_cache, batch)
     with pytest.raises(ValueError, match="contiguous"):

@@ -5,9 +5,12 @@ arithmetic in torch where they are not built (or not on a CPU). Built with -ffp-
 rounds as torch's does (the rotation is bit-identical to transformers'), and -fno-trapping-math, so the exp's
 clamps vectorize.
 
-Decode attention: each sequence's one query token attends over its cached keys and values, found through its
-block table. The torch path gathers every sequence's blocks into a dense copy first (index_select), which moves
-the batch's whole KV three times a layer; this reads it once. Sequences are split over OpenMP threads: built
+Attention: each query row (a decode's one token, or one of a prefill chunk's) attends over its sequence's cached
+keys and values up to its own position, found through the sequence's block table, its new K and V stored first.
+The torch path gathers every decode's blocks into a dense copy first (index_select), which moves the batch's whole
+KV three times a layer, and calls SDPA once per prefill chunk (~150 us each for prompts of tens of tokens); this
+reads the cache once, the decodes' rows and short chunks' in one call (attention.py leaves chunks with long
+contexts to SDPA, which blocks its arithmetic as a matmul does). Rows are split over OpenMP threads: built
 with -fopenmp, the extension binds to the libgomp torch has loaded (one soname), so it runs on torch's own
 thread pool rather than beside it (pthreads of its own competed with that pool's spinning threads and made a
 step slower). */
@@ -28,7 +31,7 @@ step slower). */
 typedef struct {
     const float *q;
     const void *k, *v; /* float32 or bfloat16 (kv_bf16) */
-    const int64_t *tables, *lens;
+    const int64_t *tables, *row_seqs, *lens;
     float *out;
     int64_t q_stride, block_stride, width;
     int kv_heads, group, dim, block_size, kv_bf16;
@@ -128,19 +131,19 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* One sequence, all its heads; dim a multiple of 16. Scores go token by token, each cached token's K rows for
+/* One query row, all its heads; dim a multiple of 16. Scores go token by token, each cached token's K rows for
    every KV head being one dense run (a task per KV head read a third of each run at a time: 23 to 28 against 13
    to 16 ms over a batch-32 step's 30 layers); the block after the current one is prefetched, and the current
    block's V rows, for the pass over values that follows (a block is block_size rows: the hardware prefetcher
    stops at each jump, 10 against 8.6 ms a step). Values go head by head, the head's accumulators in
    registers. Inlined where dim is a constant (attend below), so the 16-float chunks of a row unroll. */
-static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64_t seq, float *scores,
+static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64_t row, float *scores,
                                                             const int dim, const int bf16) {
-    const int64_t len = j->lens[seq];
+    const int64_t len = j->lens[row];
     const int kv_heads = j->kv_heads, group = j->group, bs = j->block_size, chunks = dim / 16;
-    const int64_t *table = j->tables + seq * j->width;
+    const int64_t *table = j->tables + j->row_seqs[row] * j->width;
     const int64_t token_stride = (int64_t)kv_heads * dim, size = bf16 ? 2 : 4, block_bytes = bs * token_stride * size;
-    const float *q = j->q + seq * j->q_stride;
+    const float *q = j->q + row * j->q_stride;
 
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t block = table[t0 / bs] * j->block_stride;
@@ -159,7 +162,7 @@ static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64
                     scores[h * len + t] = hsum(acc) * j->scale;
                 }
     }
-    float *out = j->out + seq * kv_heads * group * dim;
+    float *out = j->out + row * kv_heads * group * dim;
     for (int g = 0, h = 0; g < kv_heads; g++)
         for (int i = 0; i < group; i++, h++) {
             float *s = scores + h * len, top = s[0];
@@ -178,39 +181,40 @@ static inline __attribute__((always_inline)) void attend_dim(const Job *j, int64
 }
 
 /* dim 64 and 128 (most models') as constants; bfloat16 or float32 K and V. */
-CLONES static void attend(const Job *j, int64_t seq, float *scores) {
+CLONES static void attend(const Job *j, int64_t row, float *scores) {
     const int bf16 = j->kv_bf16;
     if (j->dim == 64)
-        bf16 ? attend_dim(j, seq, scores, 64, 1) : attend_dim(j, seq, scores, 64, 0);
+        bf16 ? attend_dim(j, row, scores, 64, 1) : attend_dim(j, row, scores, 64, 0);
     else if (j->dim == 128)
-        bf16 ? attend_dim(j, seq, scores, 128, 1) : attend_dim(j, seq, scores, 128, 0);
+        bf16 ? attend_dim(j, row, scores, 128, 1) : attend_dim(j, row, scores, 128, 0);
     else
-        bf16 ? attend_dim(j, seq, scores, j->dim, 1) : attend_dim(j, seq, scores, j->dim, 0);
+        bf16 ? attend_dim(j, row, scores, j->dim, 1) : attend_dim(j, row, scores, j->dim, 0);
 }
 
-/* decode(q, q_stride, k, v, kv_bf16, block_stride, tables, width, lens, out, n, kv_heads, group, dim, block_size,
-          threads, scale): pointers as ints; q rows [n][kv_heads * group * dim] float32, q_stride apart; k and v
-   [blocks][block_size][kv_heads][dim], float32 or (kv_bf16) bfloat16, blocks block_stride apart; tables
-   [n][width], lens [n] (int64); out [n][kv_heads * group * dim] float32. Strides in elements; dim a multiple of
-   16. */
-static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[16];
+/* attention(q, q_stride, k, v, kv_bf16, block_stride, tables, width, row_seqs, lens, out, n, kv_heads, group,
+             dim, block_size, threads, scale): pointers as ints; query row r ([kv_heads * group * dim] float32,
+   rows q_stride apart) attends over the first lens[r] tokens of sequence row_seqs[r], whose blocks are
+   tables[row_seqs[r]] ([width] int64); k and v [blocks][block_size][kv_heads][dim], float32 or (kv_bf16)
+   bfloat16, blocks block_stride apart; out [n][kv_heads * group * dim] float32. Strides in elements; dim a
+   multiple of 16. Rows go to threads 8 at a time as they free up: a prefill's rows grow longer one by one. */
+static PyObject *attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[17];
     double scale;
-    if (!parse(args, nargs, 16, a, 1, &scale)) return NULL;
-    const int threads = (int)a[15];
-    const int64_t n = a[10], kv_heads = a[11], group = a[12], dim = a[13];
-    if (n < 0 || kv_heads < 1 || group < 1 || dim < 16 || dim % 16 || a[14] < 1)
-        return PyErr_Format(PyExc_ValueError, "decode: bad shape");
-    const int64_t *lens = (const int64_t *)(intptr_t)a[8];
+    if (!parse(args, nargs, 17, a, 1, &scale)) return NULL;
+    const int threads = (int)a[16];
+    const int64_t n = a[11], kv_heads = a[12], group = a[13], dim = a[14];
+    if (n < 0 || kv_heads < 1 || group < 1 || dim < 16 || dim % 16 || a[15] < 1)
+        return PyErr_Format(PyExc_ValueError, "attention: bad shape");
+    const int64_t *lens = (const int64_t *)(intptr_t)a[9];
     int64_t max_len = 1;
-    for (int64_t s = 0; s < n; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
+    for (int64_t r = 0; r < n; r++) max_len = lens[r] > max_len ? lens[r] : max_len;
 
     const Job job = {
         .q = (const float *)(intptr_t)a[0], .q_stride = a[1], .k = (const void *)(intptr_t)a[2],
         .v = (const void *)(intptr_t)a[3], .kv_bf16 = a[4] != 0, .block_stride = a[5],
-        .tables = (const int64_t *)(intptr_t)a[6], .width = a[7], .lens = lens, .out = (float *)(intptr_t)a[9],
-        .kv_heads = (int)kv_heads, .group = (int)group, .dim = (int)dim, .block_size = (int)a[14],
-        .scale = (float)scale,
+        .tables = (const int64_t *)(intptr_t)a[6], .width = a[7], .row_seqs = (const int64_t *)(intptr_t)a[8],
+        .lens = lens, .out = (float *)(intptr_t)a[10], .kv_heads = (int)kv_heads, .group = (int)group,
+        .dim = (int)dim, .block_size = (int)a[15], .scale = (float)scale,
     };
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -218,9 +222,9 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     {
         float *scores = malloc(sizeof(float) * kv_heads * group * max_len); /* per thread */
         failed = scores == NULL;
-#pragma omp for schedule(static)
-        for (int64_t seq = 0; seq < n; seq++)
-            if (scores) attend(&job, seq, scores);
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t row = 0; row < n; row++)
+            if (scores) attend(&job, row, scores);
         free(scores);
     }
     Py_END_ALLOW_THREADS
@@ -361,7 +365,7 @@ static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyMethodDef methods[] = {
-    {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL, "Decode attention over a paged KV cache."},
+    {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL, "Attention over a paged KV cache."},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "Residual add and RMS norm."},
     {"rope", (PyCFunction)(void (*)(void))rope, METH_FASTCALL, "Rotary embedding in place."},
     {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL, "New K and V rows into their cache slots."},

@@ -1,5 +1,5 @@
-"""The native engine's hot steps besides the matmuls: decode attention reading the paged cache in place, new K
-and V into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32 or
+"""The native engine's hot steps besides the matmuls: attention reading the paged cache in place, new K and V
+into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32 or
 bfloat16 they run in C (_kernels.c, built by the install), elsewhere as the same arithmetic in torch; where the C
 is not built, the import warns once."""
 
@@ -28,8 +28,8 @@ def in_c(x: torch.Tensor) -> bool:
     return _kernels is not None and x.device.type == "cpu" and x.dtype in _DTYPES
 
 
-def decodes_in_c(q: torch.Tensor) -> bool:
-    """Whether decode_attention_ runs for these queries ([n, heads, head_dim]): in_c, and a head_dim that is a
+def attends_in_c(q: torch.Tensor) -> bool:
+    """Whether attention_ runs for these queries ([tokens, heads, head_dim]): in_c, and a head_dim that is a
     multiple of the kernel's 16 lanes (every Llama-family model's)."""
     return in_c(q) and q.shape[-1] % 16 == 0
 
@@ -104,27 +104,29 @@ def store_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                    k.element_size())
 
 
-def decode_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                      lens: torch.Tensor, out: torch.Tensor) -> None:
-    """Into the first len(q) rows of out: each query row ([n, heads, head_dim]) attends over its sequence's
-    lens[i] cached tokens, found through tables[i] (blocks of the block-major cache), read in place. C only
-    (where decodes_in_c): attention.py gathers the blocks for SDPA elsewhere. In bfloat16 the kernel takes the
-    queries and gives its output in float32 (n rows: small copies), and reads the cache as it is."""
-    n, heads, head_dim = q.shape
+def attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               row_seqs: torch.Tensor, lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Into out: each query row r ([tokens, heads, head_dim]) attends over the first lens[r] cached tokens of
+    sequence row_seqs[r], found through tables[row_seqs[r]] (blocks of the block-major cache), read in place:
+    decodes and prefill chunks alike, their new K and V stored first. C only (where attends_in_c): attention.py
+    runs SDPA elsewhere. In bfloat16 the kernel takes the queries and gives its output in float32 (copies of the
+    step's rows), and reads the cache as it is."""
+    tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if not decodes_in_c(q) or q.dtype != k_cache.dtype:
-        raise ValueError("decode_attention_ needs float32 or bfloat16 queries in the cache's dtype, head_dim a "
+    if not attends_in_c(q) or q.dtype != k_cache.dtype:
+        raise ValueError("attention_ needs float32 or bfloat16 queries in the cache's dtype, head_dim a "
                          "multiple of 16")
-    _block_major(k_cache, v_cache, tables, lens)
+    _block_major(k_cache, v_cache, tables, row_seqs, lens)
     _dense_rows(out)
     bf16 = q.dtype == torch.bfloat16
     if bf16:
         q = q.float()
     elif q.stride()[1:] != (head_dim, 1):
-        raise ValueError("decode attention in place needs dense head rows")
-    result = out.new_empty(n, heads, head_dim, dtype=torch.float32) if bf16 else out
-    _kernels.decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(bf16), k_cache.stride(0),
-                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), result.data_ptr(), n, kv_heads,
-                    heads // kv_heads, head_dim, block_size, torch.get_num_threads(), 1 / math.sqrt(head_dim))
+        raise ValueError("attention in place needs dense head rows")
+    result = out.new_empty(tokens, heads, head_dim, dtype=torch.float32) if bf16 else out
+    _kernels.attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(bf16),
+                       k_cache.stride(0), tables.data_ptr(), tables.shape[1], row_seqs.data_ptr(), lens.data_ptr(),
+                       result.data_ptr(), tokens, kv_heads, heads // kv_heads, head_dim, block_size,
+                       torch.get_num_threads(), 1 / math.sqrt(head_dim))
     if bf16:
-        out[:n] = result
+        out.copy_(result)

@@ -43,8 +43,9 @@ class LlamaModel:
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], batch)
+            if i == len(w.layers) - 1:  # past the last K/V only the sampled rows matter (a prompt's last)
+                attn, hidden = attn[logit_rows], hidden[logit_rows]
             x = add_rms_norm(hidden, linear(attn, layer.o_proj), layer.post_norm, eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
             delta = linear(F.silu(gate) * up, layer.down)
-        last = add_rms_norm(hidden[logit_rows], delta[logit_rows], w.norm, eps)
-        return linear(last, w.lm_head).float()
+        return linear(add_rms_norm(hidden, delta, w.norm, eps), w.lm_head).float()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, causal_mask
+from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk
 from dynamo_pd.engines.native.model import LlamaModel
 from dynamo_pd.engines.native.scheduler import ScheduledBatch
 from dynamo_pd.engines.native.sequence import Sequence
@@ -40,7 +40,8 @@ class ModelRunner:
         """Compute the batch; return the sequences that reach their last token and their logits."""
         bs = self.block_size
         decodes = [seq for seq, n in batch if n == 1]
-        chunks = [(seq, n) for seq, n in batch if n > 1]
+        # shortest context first: attention.py gives the short chunks' rows to the C kernel, in one call
+        chunks = sorted(((seq, n) for seq, n in batch if n > 1), key=lambda c: c[0].num_computed_tokens + c[1])
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -55,11 +56,8 @@ class ModelRunner:
             if pos + 1 == len(seq.token_ids):
                 rows_to_sample.append(row)
                 seqs_to_sample.append(seq)
-        decode_tables = decode_lens = None
-        if decodes:
-            width = max(len(seq.block_table) for seq in decodes)
-            decode_tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes])
-            decode_lens = self._tensor(positions) + 1
+        tables = [seq.block_table for seq in decodes]
+        row_seqs = list(range(len(decodes)))
 
         prefills = []
         for seq, n in chunks:
@@ -69,27 +67,26 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            prefills.append(PrefillChunk(
-                start=row,
-                end=row + n,
-                block_table=self._tensor(table[: -(-end // bs)]),
-                context_len=end,
-                mask=None if start == 0 else causal_mask(n, end, self.device),
-            ))
+            row_seqs.extend([len(tables)] * n)
+            tables.append(table[: -(-end // bs)])
+            prefills.append(PrefillChunk(start=row, end=row + n, context_len=end))
             if end == len(seq.token_ids):
                 rows_to_sample.append(row + n - 1)
                 seqs_to_sample.append(seq)
 
-        slots_t = self._tensor(slots)
+        width = max(len(t) for t in tables)
+        slots_t, positions_t = self._tensor(slots), self._tensor(positions)
         attn = AttentionBatch(
             slot_blocks=slots_t // bs,
             slot_offsets=slots_t % bs,
             num_decode=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_lens=decode_lens,
+            block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
+            row_seqs=self._tensor(row_seqs),
+            row_lens=positions_t + 1,
+            decode_width=max((len(seq.block_table) for seq in decodes), default=0),
             prefills=prefills,
         )
         logits = self.model.forward(
-            self._tensor(input_ids), self._tensor(positions), attn, self.kv_cache, self._tensor(rows_to_sample)
+            self._tensor(input_ids), positions_t, attn, self.kv_cache, self._tensor(rows_to_sample)
         )
         return seqs_to_sample, logits
