@@ -1,5 +1,5 @@
 /* The native engine's CPU kernels, float32 and bfloat16 (the arithmetic in float32), where a step spent its time
-outside the matmuls: decode attention over the paged KV cache read in place, the new tokens' K and V written into
+outside the matmuls: attention over the paged KV cache read in place, the new tokens' K and V written into
 it, the residual add fused with RMS norm, and rotary embedding in place. kernels.py calls them, and runs the same
 arithmetic in torch where they are not built (or not on a CPU). Built with -ffp-contract=off, so each product
 rounds as torch's does (the rotation is bit-identical to transformers'), and -fno-trapping-math, so the exp's

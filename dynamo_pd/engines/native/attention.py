@@ -62,15 +62,14 @@ def paged_attention(
     group = heads // kv_heads
     store_kv_(k, v, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets)
     out = q.new_empty(tokens, heads, head_dim)
-    n = batch.num_decode
-    prefills = batch.prefills
+    n, prefills, short = batch.num_decode, batch.prefills, 0
     if attends_in_c(q):
-        # the leading chunks under the cut (model_runner puts the shortest contexts first), and the decodes
+        # the decodes and the leading chunks under the cut (model_runner puts the shortest contexts first)
         short = next((i for i, c in enumerate(prefills) if c.context_len >= C_PREFILL_CONTEXT), len(prefills))
         m = prefills[short - 1].end if short else n
         if m:
             attention_(q[:m], k_cache, v_cache, batch.block_tables, batch.row_seqs[:m], batch.row_lens[:m], out[:m])
-        n, prefills = 0, prefills[short:]
+        n = 0  # the decodes are done
 
     if n:
         # One query per sequence: fold the query heads sharing a KV head into the query axis,
@@ -85,8 +84,7 @@ def paged_attention(
         out[:n] = attended.reshape(n, heads, head_dim)
 
     block_size = k_cache.shape[1]
-    first = len(batch.prefills) - len(prefills)
-    for i, chunk in enumerate(prefills, start=first):
+    for i, chunk in enumerate(prefills[short:], start=short):
         rows = slice(chunk.start, chunk.end)
         queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, d]
         fresh = chunk.context_len == chunk.end - chunk.start
