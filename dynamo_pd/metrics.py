@@ -50,6 +50,9 @@ class Metrics:
                                        "serve (model, KV block size)", ["reason"], registry=r)
 
     def record_usage(self, prompt: int, cached: int, completion: int) -> None:
+        self.unknown_fields = Counter("dynamo_pd_request_fields_unknown", "Request fields no OpenAI or vLLM schema "
+                                      "this server knows: accepted and ignored (dynamo_pd/frontend/fields.py)",
+                                      ["route", "field"], registry=r)
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
         self.completion_tokens.inc(completion)

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
+from dynamo_pd.frontend.fields import FieldPolicy
 from dynamo_pd.frontend.gateway import ModelNotFoundError
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError, client_key, queued
 from dynamo_pd.metrics import Metrics
@@ -205,6 +206,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
     app = FastAPI(title="dynamo-pd", version="0.1.0")
     metrics = metrics or Metrics()
     app.state.metrics = metrics
+    fields = FieldPolicy(metrics.unknown_fields)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -264,7 +266,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
 
     @app.post("/v1/chat/completions")
     async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        fields.check("chat", body.model_extra)
+        messages = [m.for_template() for m in body.messages]
 
         def tokenize(tokenizer: Any) -> list[int]:
             try:
@@ -277,6 +280,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
+        fields.check("completion", body.model_extra)
         def tokenize(tokenizer: Any) -> list[int]:
             return list(body.prompt) if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
 

@@ -23,8 +23,15 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]  # the wire's u32; the engine 
 
 
 class ChatMessage(BaseModel):
+    # Every other key (name, tool_call_id, tool_calls, ...) goes to the model's chat template as it came, as
+    # vLLM and transformers hand it: the template is what reads or ignores it.
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict[str, Any]]
+
+    def for_template(self) -> dict[str, Any]:
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -40,11 +47,15 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # vLLM's continuous_usage_stats is not served: a 400 names it
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted: no effect on the text (we send no obfuscation padding)
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Undeclared fields are kept for dynamo_pd.frontend.fields, which refuses or counts each (never drops one).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Text
     stream: bool = False
@@ -61,7 +72,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)
     ignore_eos: bool = False
-    user: str | None = None
+    user: str | None = None  # accepted, no effect on the output (fields.ALLOWED), as is:
+    session_id: str | None = None  # vLLM's identity of related requests
 
     def stop_conditions(self, default_max_tokens: int) -> StopConditions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -93,6 +105,15 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # accepted, no effect on the output (fields.ALLOWED)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    parallel_tool_calls: bool | None = None  # tools are refused, so it changes nothing
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -104,7 +125,6 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Text | list[TokenId]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
 
     def logprob_count(self) -> int | None:
         return self.logprobs
