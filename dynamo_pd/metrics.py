@@ -42,17 +42,19 @@ class Metrics:
         self.fallbacks = Counter(
             "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
         )
+        for reason in ("prefill_failed", "transfer_failed"):  # rendered as 0 from the start: none is a count
+            self.fallbacks.labels(reason)
         self.migrations = Counter("dynamo_pd_migrations", "Requests moved to another worker after the client had "
                                   "tokens, by the failure (worker_gone, stalled, draining, ...)", ["reason"], registry=r)
         self.retries = Counter("dynamo_pd_retries", "Requests retried on another worker before their first token, "
                                "by the failure", ["reason"], registry=r)
         self.workers_refused = Counter("dynamo_pd_workers_refused", "Workers registered that the frontend cannot "
                                        "serve (model, KV block size)", ["reason"], registry=r)
-
-    def record_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.unknown_fields = Counter("dynamo_pd_request_fields_unknown", "Request fields no OpenAI or vLLM schema "
                                       "this server knows: accepted and ignored (dynamo_pd/frontend/fields.py)",
                                       ["route", "field"], registry=r)
+
+    def record_usage(self, prompt: int, cached: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
         self.completion_tokens.inc(completion)
