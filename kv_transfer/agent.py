@@ -23,6 +23,8 @@ Push mode (SGLang style):
     else: free them. The prefill caller frees its own blocks after push returns or raises.
 
 on_release runs on the agent's event loop, or in the thread that called release().
+`agent.counters()` says what it moved (each side of a transfer counts it once: the initiator, and the holder
+from the byte count the initiator's Finish carries) and why hand-offs failed, for a worker's /metrics.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from kv_transfer.layout import block_regions
 from kv_transfer.memory import STAGING, KVMemory
 from kv_transfer.plan import pull_plan, push_plan
 from kv_transfer.protocol import (
-    Begin, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError, ReleaseReason,
-    Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
+    Begin, BlocksFreedError, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError,
+    ReleaseReason, Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
 )
 from kv_transfer.config import TransferConfig
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer, max_message_bytes
@@ -55,6 +57,34 @@ OnRelease = Callable[[str, ReleaseReason, bytes], None]  # (request id, why, the
 _ENDED_MEMORY = 4096  # recently ended holds remembered, to tell "expired" from "freed"
 MAX_RESERVED = 4096  # push mode: unclaimed Reserves kept at once; more are refused
 _SWEEP_S = 0.02
+# Why a hand-off failed here. As the initiator (a pull or push this side ran, or a push rendezvous): by the
+# error it raised; as the holder: how a hold ended other than DONE (hold_error: the peer reported a failure).
+FAILURE_REASONS = ("compat", "lease_expired", "blocks_freed", "peer_lost", "transfer_error", "cancelled",
+                   "hold_expired", "hold_error", "hold_cancelled")
+_ERROR_REASONS = ((CompatError, "compat"), (LeaseExpiredError, "lease_expired"),
+                  (BlocksFreedError, "blocks_freed"), (PeerLostError, "peer_lost"),
+                  (asyncio.CancelledError, "cancelled"))
+
+
+@dataclass
+class Moved:
+    """Finished transfers one way: how many, their bytes and their seconds (Begin to Finish)."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class AgentCounters:
+    """What an agent has moved and what went wrong, since it started."""
+
+    transport: str
+    moved: dict[str, Moved]  # "in": KV written into this side's blocks (its pulls, peers' pushes); "out"
+    failures: dict[str, int]  # FAILURE_REASONS -> count
+    malformed_requests: int  # side-channel messages its server dropped or refused as unreadable
+    malformed_replies: int  # side-channel replies its client dropped as unreadable
+    nixl_agents_torn_down: int | None  # NIXL agents destroyed as a transfer would not end; None: not NIXL
 
 
 @dataclass
@@ -63,6 +93,7 @@ class _Hold:
     on_release: OnRelease
     deadline: float  # time.monotonic()
     pinned: bool = False
+    begun: float = 0.0  # time.perf_counter() at the peer's Begin
     cancelled: bool = False
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # packed copies peers may still read
     busy: int = 0  # Fetch / Pack / Write copies touching the blocks now (the side channel serves concurrently)
@@ -85,6 +116,8 @@ class KVTransferAgent:
         self._push_targets: dict[str, asyncio.Future] = {}  # push mode: request id -> Reserve's target
         self._reserved_until: dict[str, float] = {}  # unclaimed Reserves: request id -> local expiry (monotonic)
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # push mode: rooms the prefill stopped waiting on
+        self._moved = {"in": Moved(), "out": Moved()}
+        self._failures = dict.fromkeys(FAILURE_REASONS, 0)
 
     @property
     def endpoint(self) -> str:
@@ -111,6 +144,26 @@ class KVTransferAgent:
         if self._server:
             await self._server.close()
         await self.transport.close()
+
+    def counters(self) -> AgentCounters:
+        with self._lock:
+            moved = {way: Moved(m.count, m.bytes, m.seconds) for way, m in self._moved.items()}
+            failures = dict(self._failures)
+        server_malformed = self._server.malformed if self._server else 0
+        return AgentCounters(self.transport.name, moved, failures, server_malformed, self._client.malformed,
+                             getattr(self.transport, "torn_down", None))
+
+    def _count_moved(self, way: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            moved = self._moved[way]
+            moved.count += 1
+            moved.bytes += nbytes
+            moved.seconds += seconds
+
+    def _count_failure(self, exc: BaseException) -> None:
+        reason = next((name for kind, name in _ERROR_REASONS if isinstance(exc, kind)), "transfer_error")
+        with self._lock:
+            self._failures[reason] += 1
 
     async def __aenter__(self) -> KVTransferAgent:
         return await self.start()
@@ -172,6 +225,8 @@ class KVTransferAgent:
             if hold is None:
                 return False
             self._ended[request_id] = reason
+            if reason is not ReleaseReason.DONE:
+                self._failures[f"hold_{reason.value}"] += 1
             while len(self._ended) > _ENDED_MEMORY:
                 self._ended.popitem(last=False)
             if hold.busy:  # a copy still reads or writes the blocks: they are released once it is done
@@ -227,7 +282,7 @@ class KVTransferAgent:
                 return Reply(False, "compat", f"compat hash {request.compat_hash} != {hold.desc.compat_hash}")
             if hold.pinned:
                 return Reply(False, "freed", f"{request.request_id!r} is already being transferred")
-            hold.pinned = True
+            hold.pinned, hold.begun = True, time.perf_counter()
             # The peer's timeout is capped by ours (and NaN, negative or huge ones replaced by it).
             took = request.timeout_s if 0 < request.timeout_s < self.config.timeout_s else self.config.timeout_s
             hold.deadline = time.monotonic() + took + self.config.timeout_s
@@ -239,6 +294,9 @@ class KVTransferAgent:
                 return Reply(False, "freed", f"{request.request_id!r} was cancelled at {self.engine_id}")
             if not request.ok:
                 log.warning("peer failed transfer of %r: %s", request.request_id, request.message)
+            elif hold.pinned:  # bytes moved (a Finish without Begin: the peer had every block already)
+                self._count_moved("in" if hold.desc.writable else "out", request.nbytes,
+                                  time.perf_counter() - hold.begun)
             self._end(request.request_id, reason, request.payload)
             return Reply(True)
         if not hold.pinned:
@@ -328,8 +386,10 @@ class KVTransferAgent:
         try:
             raise_for(await self._client.call(endpoint, Reserve(target.request_id, target),
                                               timeout_s or self.config.timeout_s))
-        except PeerLostError:
-            self._client.forget(endpoint)
+        except BaseException as exc:
+            self._count_failure(exc)
+            if isinstance(exc, PeerLostError):
+                self._client.forget(endpoint)
             raise
 
     async def wait_push_target(self, request_id: str, timeout_s: float) -> TransferDescriptor:
@@ -338,7 +398,9 @@ class KVTransferAgent:
         try:
             return await asyncio.wait_for(asyncio.shield(target), timeout_s)
         except asyncio.TimeoutError:
-            raise PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s") from None
+            lost = PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s")
+            self._count_failure(lost)
+            raise lost from None
         finally:
             self._push_targets.pop(request_id, None)
             self._reserved_until.pop(request_id, None)
@@ -349,6 +411,18 @@ class KVTransferAgent:
 
     async def _transfer(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool,
                         payload: bytes = b"") -> int:
+        start = time.perf_counter()
+        try:
+            nbytes = await self._move(desc, timeout_s, make_plan, reading, payload)
+        except BaseException as exc:
+            self._count_failure(exc)
+            raise
+        if nbytes:
+            self._count_moved("in" if reading else "out", nbytes, time.perf_counter() - start)
+        return nbytes
+
+    async def _move(self, desc: TransferDescriptor, timeout_s: float | None, make_plan, reading: bool,
+                    payload: bytes) -> int:
         timeout = timeout_s or self.config.timeout_s
         try:
             if desc.transport != self.transport.name:
@@ -382,7 +456,8 @@ class KVTransferAgent:
             else:
                 await self.transport.write(desc, plan, timeout)
             # In the try: cancelled before this Finish went out, the holder must still hear one.
-            done = await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload), timeout)
+            done = await self._client.call(desc.endpoint, Finish(desc.request_id, True, payload=payload,
+                                                                 nbytes=plan.nbytes), timeout)
         except BaseException as e:  # a second Finish after a delivered one is answered "freed", harmlessly
             await asyncio.shield(self._finish(desc, False, f"{type(e).__name__}: {e}", timeout))
             raise

@@ -82,6 +82,7 @@ class Finish(msgspec.Struct, tag=True):
     ok: bool
     message: str = ""
     payload: bytes = b""  # opaque to kv_transfer; handed to the holder's on_release (push: first token)
+    nbytes: int = 0  # what the initiator moved: the holder counts it (it cannot see one-sided NIXL reads)
 
 
 class Reserve(msgspec.Struct, tag=True):
