@@ -14,7 +14,7 @@ workload in turn; workloads share no prompts, so one does not warm the cache for
   small-prefix   the same with --small-prefixes prompts, a pool that fits one worker's cache: every policy
                  can keep it everywhere, and a cache-aware one must not fall behind the others there;
   multi-turn     chat sessions whose every turn resends the conversation so far (aiperf's multi-turn);
-  mooncake       the first --trace-requests rows of the Mooncake conversation trace (../shared/data, aiperf's
+  mooncake       the first --trace-requests rows of the Mooncake conversation trace (benchmarks/data, aiperf's
                  mooncake_trace: equal hash ids -> equal 512-token blocks) at the trace's own timestamps,
                  rows longer than the model's context left out; --trace-scale divides every length for
                  CPU engines.
@@ -37,7 +37,7 @@ from router.service import PolicyName
 
 POLICIES = typing.get_args(PolicyName)
 WORKLOADS = ("shared-prefix", "small-prefix", "multi-turn", "mooncake")
-TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"  # its README says where from
 CONTEXT_TOKENS = 8192  # SmolLM2's context, which the frontend enforces (the mocker serves its vocabulary)
 TRACE_BLOCK_TOKENS = 512
 
@@ -99,6 +99,9 @@ def trace_file(out: Path, rows: int, scale: int, speedup: float) -> Path:
                          "hash_ids": row["hash_ids"]})
             if len(kept) == rows:
                 break
+    if len(kept) < rows:
+        raise SystemExit(f"error: --trace-requests {rows}: {TRACE} holds only {len(kept)} rows that fit the "
+                         f"context at --trace-scale {scale}")
     path = out / "mooncake_trace.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in kept))
     return path
