@@ -17,6 +17,7 @@ beats aggregation's.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from benchmarks import deploy, report
 from benchmarks.aiperf_run import Slo, Workload
@@ -75,6 +76,7 @@ def crossover(summaries: list[report.Summary], agg: str, disagg: str) -> float |
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     n, x = args.workers, args.prefill
     by_rate = args.rates is not None
@@ -85,13 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     configs = [deploy.Deployment(agg, args.engine, aggregated=n, worker_args=extra),
                deploy.Deployment(disagg, args.engine, prefill=x, decode=n - x, worker_args=extra)]
     slo = Slo(args.ttft_slo_ms, args.itl_slo_ms)
-    session = Session("agg_vs_disagg", args, slo, runs=len(configs) * len(loads))
+    session = Session("agg_vs_disagg", args, slo, argv=argv, runs=len(configs) * len(loads))
     unit = "req/s" if by_rate else "concurrent"
     for d in configs:
         with deploy.running(d, session.out / "logs" / d.name.replace(" ", "_")) as url:
             for i, load in enumerate(loads):
                 workload = Workload(
-                    "synthetic", ["--synthetic-input-tokens-mean", str(args.isl), "--synthetic-input-tokens-stddev", "0",
+                    "synthetic", ["--synthetic-input-tokens-mean", str(args.isl),
+                                  "--synthetic-input-tokens-stddev", "0",
                                   "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0"],
                     requests=args.requests, rate=load if by_rate else None,
                     concurrency=None if by_rate else int(load))
@@ -106,11 +109,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{slo.ttft_ms:g} ms and TPOT <= {slo.itl_ms:g} ms.")
     cross_md = (f"Disaggregation's goodput exceeds aggregation's from **{cross:g} {unit}** on." if cross is not None
                 else "Disaggregation's goodput does not exceed aggregation's at the highest load here.")
-    report.write(session.out, f"Aggregated vs disaggregated: {agg} vs {disagg}", note, session.summaries,
-                 session.ttfts, {"crossover": cross, "crossover_md": cross_md})
-    report.plot_ttft_cdf(session.out / "ttft_cdf.png", session.ttfts, list(dict.fromkeys(s.group for s in session.summaries)))
+    report.write(session.out, f"Aggregated vs disaggregated: {agg} vs {disagg}", note, session.provenance,
+                 session.summaries, session.ttfts, {"crossover": cross, "crossover_md": cross_md})
+    report.plot_ttft_cdf(session.out / "ttft_cdf.png", session.ttfts,
+                         list(dict.fromkeys(s.group for s in session.summaries)))
     report.plot_vs_load(session.out / "vs_load.png", session.summaries, "requests/s" if by_rate else "concurrency")
     print(f"{cross_md}\nwrote {session.out}/table.md, summaries.json, ttft_cdf.png, vs_load.png", flush=True)
+    report.exit_if_failed(session.summaries, session.out)
 
 
 if __name__ == "__main__":

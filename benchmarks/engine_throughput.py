@@ -25,6 +25,10 @@ import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import collect  # noqa: E402
+
 ENGINES = ("native", "transformers", "vllm-cpu", "native-bf16", "vllm-cpu-bf16")  # the last two: bfloat16
 
 _SUBJECTS = ["a lighthouse keeper", "a retired astronaut", "a street musician", "a young botanist",
@@ -233,9 +237,11 @@ def main() -> None:
         _worker(args)
         return
 
+    origin = collect("python benchmarks/engine_throughput.py", sys.argv[1:])
     results = run_all(args)
     base = results.get("transformers")
-    print(f"\nOutput tokens/s, {os.path.basename(args.model)}, float32 unless -bf16, {args.max_tokens} tokens "
+    print(f"\n{origin.markdown()}\n")
+    print(f"Output tokens/s, {os.path.basename(args.model)}, float32 unless -bf16, {args.max_tokens} tokens "
           f"per request, {args.threads} threads, best of {args.rounds} interleaved rounds (x: vs transformers)\n")
     print("| engine | " + " | ".join(f"batch {b}" for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.aiperf_run import AiperfResult, Record, Slo
+from benchmarks.provenance import Provenance
 
 PERCENTILES = (50, 90, 99)
 
@@ -50,6 +52,7 @@ class Summary:
     aiperf_good: int | None  # aiperf's good_request_count: equals `good`
     aiperf_goodput: float | None  # over aiperf's phase window (see AiperfResult)
     kv_hit_rate: float  # cached prompt tokens / prompt tokens, as the server reported them
+    errors: dict[str, int] = field(default_factory=dict)  # failed requests by aiperf's error message
 
 
 def summarize(config: str, group: str, x: float | None, result: AiperfResult, slo: Slo) -> Summary:
@@ -66,12 +69,14 @@ def summarize(config: str, group: str, x: float | None, result: AiperfResult, sl
         output_tok_s=sum(r.output_tokens for r in ok) / duration if duration else 0.0,
         goodput=goodput(result.records, slo, duration), good=sum(is_good(r, slo) for r in result.records),
         aiperf_good=result.aiperf_good, aiperf_goodput=result.aiperf_goodput,
-        kv_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0)
+        kv_hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        errors=dict(collections.Counter(r.error for r in result.records if r.error is not None)))
 
 
 def progress_line(i: int, n: int, s: Summary, wall_s: float) -> str:
     ttft, tpot = s.ttft_ms[50], s.tpot_ms[50]
-    return (f"[{i}/{n}] {s.config} @ {s.group}: {s.ok} ok, {s.failed} failed, TTFT p50 {_f(ttft)} ms, "
+    failed = f"{s.failed} FAILED ({'; '.join(s.errors)[:300]})" if s.failed else "0 failed"
+    return (f"[{i}/{n}] {s.config} @ {s.group}: {s.ok} ok, {failed}, TTFT p50 {_f(ttft)} ms, "
             f"TPOT p50 {_f(tpot, 1)} ms, goodput {s.goodput:.2f} req/s ({s.good} good; aiperf {s.aiperf_good} good, "
             f"{_f(s.aiperf_goodput, 2)} req/s over its phase window), "
             f"KV hit {s.kv_hit_rate:.2f}, {wall_s:.0f} s")
@@ -88,22 +93,45 @@ def table(summaries: list[Summary], note: str) -> str:
     head += ["req/s", "output tok/s", "goodput req/s", "KV hit rate"]
     rows = [f"| {' | '.join(head)} |", f"|{'---|' * len(head)}"]
     for s in summaries:
-        cells = [s.config, s.group, f"{s.ok}/{s.failed}"]
+        cells = [s.config, s.group, f"{s.ok}/{s.failed}" + (" **FAILED**" if s.failed else "")]
         for dist, digits in ((s.ttft_ms, 0), (s.itl_ms, 1), (s.tpot_ms, 1), (s.e2e_ms, 0)):
             cells += [_f(dist[p], digits) for p in PERCENTILES]
         cells += [f"{s.request_s:.2f}", f"{s.output_tok_s:.0f}", f"{s.goodput:.2f}", f"{s.kv_hit_rate:.2f}"]
         rows.append(f"| {' | '.join(cells)} |")
-    return f"{note}\n\n" + "\n".join(rows) + "\n"
+    return f"{note}\n\n" + "\n".join(rows) + "\n" + failures_md(summaries)
 
 
-def write(out: Path, title: str, note: str, summaries: list[Summary], ttfts: dict[tuple[str, str], list[float]],
-          extra: dict | None = None) -> None:
+def failures_md(summaries: list[Summary]) -> str:
+    """Every run with a failed request, and why: its figures cover only the requests that succeeded."""
+    failed = [s for s in summaries if s.failed]
+    if not failed:
+        return ""
+    lines = [f"\n**FAILED: {len(failed)} of {len(summaries)} runs lost requests** (their figures cover "
+             "only the requests that succeeded):\n"]
+    for s in failed:
+        why = "; ".join(f"{n} x {message[:300]}" for message, n in s.errors.items())
+        lines.append(f"- {s.config} @ {s.group}: {s.failed} of {s.ok + s.failed} failed: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def exit_if_failed(summaries: list[Summary], out: Path) -> None:
+    """A comparison with a failed request is a failed command, after its results are written."""
+    if failed := [s for s in summaries if s.failed]:
+        runs = ", ".join(f"{s.config} @ {s.group} ({s.failed})" for s in failed)
+        raise SystemExit(f"error: requests failed in {len(failed)} of {len(summaries)} runs: {runs}; "
+                         f"see {out / 'table.md'}")
+
+
+def write(out: Path, title: str, note: str, provenance: Provenance, summaries: list[Summary],
+          ttfts: dict[tuple[str, str], list[float]], extra: dict | None = None) -> None:
     """summaries.json (with every run's TTFTs, for the CDFs) and table.md; the caller adds plots."""
     out.mkdir(parents=True, exist_ok=True)
-    data = {"title": title, "note": note, **(extra or {}), "runs": [asdict(s) for s in summaries],
+    data = {"title": title, "note": note, "provenance": asdict(provenance), **(extra or {}),
+            "runs": [asdict(s) for s in summaries],
             "ttft_ms": [{"config": c, "group": g, "values": v} for (c, g), v in ttfts.items()]}
     (out / "summaries.json").write_text(json.dumps(data, indent=1))
-    (out / "table.md").write_text(f"# {title}\n\n" + table(summaries, note) + _extra_md(extra))
+    (out / "table.md").write_text(f"# {title}\n\n{provenance.markdown()}\n\n" + table(summaries, note)
+                                  + _extra_md(extra))
 
 
 def _extra_md(extra: dict | None) -> str:

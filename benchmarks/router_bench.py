@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
+import sys
 import time
 
-from router.events import BlockStored, decode_batch, encode_batch
-from router.hashing import block_hashes, local_block_hashes, salt_root, sequence_hashes
-from router.indexer import KvIndexer, _add, _add_py
-from router.ingest import EventIngestor
-from router.service import KvRouter, RouterConfig
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.provenance import collect  # noqa: E402
+from router.events import BlockStored, decode_batch, encode_batch  # noqa: E402
+from router.hashing import block_hashes, local_block_hashes, salt_root, sequence_hashes  # noqa: E402
+from router.indexer import KvIndexer, _add, _add_py  # noqa: E402
+from router.ingest import EventIngestor  # noqa: E402
+from router.service import KvRouter, RouterConfig  # noqa: E402
 
 BLOCK = 16
 CHAIN = 256
@@ -206,6 +211,7 @@ def main() -> None:
     parser.add_argument("--ingest-blocks", type=int, default=200_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    print(collect("python benchmarks/router_bench.py", sys.argv[1:]).markdown(), flush=True)
     rng = random.Random(args.seed)
 
     requests = ingest_requests(args.ingest_blocks, rng)

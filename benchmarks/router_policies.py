@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import typing
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def workloads(args: argparse.Namespace, out: Path, speedup: float) -> dict[str, 
     turns = 4
     def prefixed(name: str, prefixes: int) -> Workload:
         return Workload(name, [*synthetic, "--prompt-prefix-pool-size", str(prefixes),
-                               "--prompt-prefix-length", str(args.prefix_tokens)], requests=args.requests, rate=args.rate)
+                               "--prompt-prefix-length", str(args.prefix_tokens)],
+                        requests=args.requests, rate=args.rate)
 
     found = {
         "shared-prefix": prefixed("shared-prefix", args.prefixes),
@@ -133,11 +135,12 @@ def workloads(args: argparse.Namespace, out: Path, speedup: float) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     kv = ["--kv-cache-memory-gb", f"{args.kv_cache_memory_gb:g}"]
     extra = worker_args(args, kv) if args.engine == "mocker" else (*worker_args(args, []), *kv)
     slo = Slo(args.ttft_slo_ms, args.itl_slo_ms)
-    session = Session("router_policies", args, slo, runs=len(args.policies) * len(args.workloads))
+    session = Session("router_policies", args, slo, argv=argv, runs=len(args.policies) * len(args.workloads))
     loads = workloads(args, session.out, session.speedup)
     for policy in args.policies:
         d = deploy.Deployment(policy, args.engine, aggregated=args.workers, router_policy=policy, worker_args=extra)
@@ -150,14 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Router policies on {args.workers} aggregated {args.engine} workers ({args.kv_cache_memory_gb:g} GB of KV "
             f"each); all times in {time_note}. shared-prefix: {args.requests} requests at {args.rate:g} req/s, "
             f"{args.prefixes} prefixes x {args.prefix_tokens} tokens (working set {args.prefixes * args.prefix_tokens} "
-            f"tokens) + {args.question_tokens}, {args.osl} output tokens; small-prefix: the same with {args.small_prefixes} "
-            f"prefixes; multi-turn: {args.requests} requests, 4 turns "
-            f"per session, {args.question_tokens} new tokens a turn; mooncake: {args.trace_requests} trace rows, lengths "
+            f"tokens) + {args.question_tokens}, {args.osl} output tokens; small-prefix: the same with "
+            f"{args.small_prefixes} prefixes; multi-turn: {args.requests} requests, 4 turns per session, "
+            f"{args.question_tokens} new tokens a turn; mooncake: {args.trace_requests} trace rows, lengths "
             f"/ {args.trace_scale}. Goodput: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.itl_ms:g} ms.")
-    report.write(session.out, f"Router policies, {args.workers} workers", note, session.summaries, session.ttfts)
+    report.write(session.out, f"Router policies, {args.workers} workers", note, session.provenance,
+                 session.summaries, session.ttfts)
     report.plot_ttft_cdf(session.out / "ttft_cdf.png", session.ttfts, list(loads))
     report.plot_bars(session.out / "kv_hit_rate.png", session.summaries, lambda s: s.kv_hit_rate, "KV hit rate")
     print(f"wrote {session.out}/table.md, summaries.json, ttft_cdf.png, kv_hit_rate.png", flush=True)
+    report.exit_if_failed(session.summaries, session.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks import aiperf_run
 from benchmarks.aiperf_run import Slo, Workload
+from benchmarks.provenance import Provenance, collect
 from benchmarks.report import Summary, progress_line, summarize
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
 
@@ -42,13 +43,16 @@ class Session:
     args: argparse.Namespace
     slo: Slo
     runs: int  # how many runs in all, for the progress lines
+    argv: list[str]  # the command's arguments, recorded with its results
     aiperf: str = ""
     out: Path = Path()
     done: int = 0
     summaries: list[Summary] = field(default_factory=list)
+    provenance: Provenance = field(init=False)  # collected as the session starts
     ttfts: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.provenance = collect(f"python -m benchmarks.{self.command}", self.argv)
         self.aiperf = aiperf_run.find_aiperf(self.args.aiperf)
         self.out = self.args.out or Path("benchmarks/out") / f"{self.command}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.out.mkdir(parents=True, exist_ok=True)

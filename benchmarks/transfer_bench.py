@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.provenance import collect  # noqa: E402
 from kv_transfer import KVLayout, KVMemory, KVTransferAgent, TransferConfig, TransferDescriptor  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--transports", default="nixl,zmq-ipc,zmq-tcp,inproc")
     args = parser.parse_args()
+    print(collect("python benchmarks/transfer_bench.py", sys.argv[1:]).markdown(), flush=True)
     block_bytes = layout(1).block_bytes
     count = max(1, round(args.mib * 2**20 / block_bytes))
     num_blocks = count * 3
