@@ -57,6 +57,13 @@ class Deployment:
                 return float(value)
         return None
 
+    def rendered_metric(self, name: str, **labels: str) -> float:
+        """metric(), but a metric /metrics does not render (renamed, never registered, a label value
+        never initialised) fails, naming it, instead of reading as a missing value."""
+        value = self.metric(name, **labels)
+        assert value is not None, f"/metrics renders no {name} with labels {labels}; logs in {self.logs}"
+        return value
+
     def wait_for(self, predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -143,8 +143,8 @@ def test_the_readme_vllm_line_serves_1_prefill_and_1_decode(tmp_path, openai_cli
         answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
                                                 temperature=0, max_tokens=8)
         assert answer.choices[0].message.content and 0 < answer.usage.completion_tokens <= 8
-        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") in (None, 0.0)
-        assert deployment.metric("dynamo_pd_prefill_fallbacks_total", reason="transfer_failed") in (None, 0.0)
+        assert deployment.rendered_metric("dynamo_pd_prefill_fallbacks_total", reason="prefill_failed") == 0
+        assert deployment.rendered_metric("dynamo_pd_prefill_fallbacks_total", reason="transfer_failed") == 0
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)

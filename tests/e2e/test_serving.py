@@ -76,7 +76,7 @@ def test_openai_client_streams_1p1d_with_the_same_greedy_text_as_aggregated(aggr
         assert usage.completion_tokens <= 32 and usage.prompt_tokens > 10
     assert disagg.metric("dynamo_pd_kv_transfer_bytes_total") > 0
     for reason in ("prefill_failed", "transfer_failed"):  # equal text must not come from a fallback
-        assert disagg.metric("dynamo_pd_prefill_fallbacks_total", reason=reason) in (None, 0.0)
+        assert disagg.rendered_metric("dynamo_pd_prefill_fallbacks_total", reason=reason) == 0
 
 
 def indexed_prefill_blocks(deployment) -> float:
@@ -126,9 +126,10 @@ def test_a_client_that_disconnects_mid_stream_frees_blocks_on_every_worker(disag
     workers = [name for name in disagg.procs if name != "frontend"]
 
     def all_free() -> bool:
-        return all(disagg.metric("dynamo_pd_worker_free_blocks", worker=w)
-                   == disagg.metric("dynamo_pd_worker_total_blocks", worker=w)
-                   and disagg.metric("dynamo_pd_worker_running_requests", worker=w) == 0 for w in workers)
+        return all(disagg.rendered_metric("dynamo_pd_worker_free_blocks", worker=w)
+                   == disagg.rendered_metric("dynamo_pd_worker_total_blocks", worker=w)
+                   and disagg.rendered_metric("dynamo_pd_worker_running_requests", worker=w) == 0
+                   for w in workers)
 
     # well before the 120 s hand-off lease: the cancellation itself frees them
     disagg.wait_for(all_free, 15, "every block free on every worker")
@@ -286,9 +287,9 @@ def test_two_frontends_on_one_namespace_share_their_routers_load(tmp_path, etcd_
             def shared() -> bool:  # ZMQ drops updates sent before the receiver's subscription forms
                 status, _ = sender.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
                 assert status == 200
-                return (receiver.metric("dynamo_pd_router_replica_updates") or 0) >= 2  # placed, finished
+                return receiver.rendered_metric("dynamo_pd_router_replica_updates") >= 2  # placed, finished
             receiver.wait_for(shared, 60, "load updates shared between the frontends")
-            assert receiver.metric("dynamo_pd_router_replica_expired") == 0  # every finish arrived
+            assert receiver.rendered_metric("dynamo_pd_router_replica_expired") == 0  # every finish arrived
     finally:
         codes = second.stop() | deployment.stop()
     assert codes == {"frontend-b": 0, "frontend": 0, "aggregated-0": 0}, codes
@@ -299,9 +300,11 @@ def test_a_killed_worker_leaves_the_pool_through_its_etcd_lease(tmp_path, etcd_u
     deployment = start_deployment(tmp_path, "--prefill", "1", "--decode", "1", "--etcd", etcd_url, "--nats", nats_url)
     try:
         assert deployment.get("/ready")[0] == 200
+        assert deployment.rendered_metric("dynamo_pd_worker_total_blocks", worker="decode-0") > 0
         deployment.procs["decode-0"].kill()
         deployment.wait_for(lambda: deployment.get("/ready")[0] == 503, 15, "decode worker dropped from discovery")
-        assert deployment.metric("dynamo_pd_worker_total_blocks", worker="decode-0") is None
+        assert deployment.metric("dynamo_pd_worker_total_blocks", worker="decode-0") is None  # forgotten
+        assert deployment.rendered_metric("dynamo_pd_worker_total_blocks", worker="prefill-0") > 0
     finally:
         codes = deployment.stop()
     assert codes["frontend"] == 0 and codes["prefill-0"] == 0, codes
@@ -333,8 +336,9 @@ def test_a_failed_kv_transfer_falls_back_to_prefill_on_the_decode_worker(tmp_pat
         assert "descriptor uses" in logs, "the mismatch is named"
         workers = ("prefill-0", "decode-0")
         deployment.wait_for(lambda: all(
-            deployment.metric("dynamo_pd_worker_free_blocks", worker=w)
-            == deployment.metric("dynamo_pd_worker_total_blocks", worker=w) for w in workers), 15, "blocks freed")
+            deployment.rendered_metric("dynamo_pd_worker_free_blocks", worker=w)
+            == deployment.rendered_metric("dynamo_pd_worker_total_blocks", worker=w) for w in workers), 15,
+            "blocks freed")
     finally:
         codes = deployment.stop()
     assert all(code == 0 for code in codes.values()), codes
