@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -28,14 +31,36 @@ def request(rid: str, ids: list[int], **kw) -> EngineRequest:
                          stop=StopConditions(max_tokens=8, ignore_eos=True), **kw)
 
 
+class ObservedEngine(NativeEngine):
+    """The native engine, telling the test when its step thread has handed a request an output (queued
+    it to the request's loop with call_soon_threadsafe): the moment a test may cancel the request at."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.submitted: dict[str, asyncio.Event] = {}  # the request reached the step thread's queue
+        self.handed_over: dict[str, threading.Event] = {}
+
+    def _sink(self, rid: str, inbox: asyncio.Queue) -> Callable[[Any], None]:
+        deliver, handed_over = super()._sink(rid, inbox), threading.Event()
+        self.handed_over[rid] = handed_over
+        self.submitted.setdefault(rid, asyncio.Event()).set()  # generate() queues it right after this
+
+        def observed(item: Any) -> None:
+            deliver(item)
+            handed_over.set()
+
+        return observed
+
+
 @pytest.fixture
 async def pd():
     """A prefill and a decode worker's engine and hand-off manager, in this process."""
-    prefill = NativeEngine(EngineConfig(role=EngineRole.PREFILL, num_kv_blocks=64, max_num_batched_tokens=32,
-                                        handoff=TIMES))
+    prefill = ObservedEngine(EngineConfig(role=EngineRole.PREFILL, num_kv_blocks=64,
+                                          max_num_batched_tokens=32, handoff=TIMES))
     pre = HandoffManager("prefill-0", TIMES, "zmq")
     dec = HandoffManager("decode-0", TIMES, "zmq")
-    decode = NativeEngine(EngineConfig(role=EngineRole.DECODE, num_kv_blocks=64, handoff=TIMES), kv_loader=dec.load_kv)
+    decode = NativeEngine(EngineConfig(role=EngineRole.DECODE, num_kv_blocks=64, handoff=TIMES),
+                          kv_loader=dec.load_kv)
     for engine, manager in ((prefill, pre), (decode, dec)):
         await engine.start()
         await manager.start(engine, "m")
@@ -75,12 +100,11 @@ async def test_prefill_done_that_never_reached_its_consumer_is_freed(pd, prompt_
             raise AssertionError("the loop was blocked until the cancel: no output can have arrived")
 
     task = asyncio.create_task(handler())
-    await asyncio.sleep(0)  # the handler submits the request and waits for its first output
-    deadline = time.monotonic() + 60
-    while prefill.stats.num_held == 0:  # block the loop: the output is queued to it, not received
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(0.05)  # the step thread hands the output over right after publishing these stats
+    submitted = prefill.submitted.setdefault(req.request_id, asyncio.Event())
+    await asyncio.wait_for(submitted.wait(), 10)  # the handler waits for its first output now
+    # Block the loop: the step thread queues the output to it, and nothing on it can take it.
+    assert prefill.handed_over[req.request_id].wait(60), "the prefill never finished"
+    assert prefill.stats.num_held == 1
     await cancel_like_the_rpc_server(task, context)
     await all_free(prefill, pre)
 
@@ -89,7 +113,8 @@ async def test_push_stream_closed_before_the_push_started_frees_the_blocks(pd, p
     """The first output is out and its push task created, not yet run, when the caller goes away."""
     prefill, pre, _, _ = pd
     ids = prompt_ids[3]
-    offer = PushHandoff(worker_id="prefill-0", peer_endpoint=pre.agent.endpoint).for_request("push", len(ids), 10.0)
+    offer = PushHandoff(worker_id="prefill-0", peer_endpoint=pre.agent.endpoint).for_request("push", len(ids),
+                                                                                             10.0)
     req = request("push", ids, handoff=offer)
     stream = pre.serve(req, prefill.generate(req, RequestContext(req.request_id)))
     first = await anext(stream)
@@ -109,7 +134,8 @@ async def one_pd_request(pd, rid: str, ids: list[int], push: bool) -> None:
             pass
 
     if push:
-        offer = PushHandoff(worker_id="prefill-0", peer_endpoint=pre.agent.endpoint).for_request(rid, len(ids), 10.0)
+        push_to = PushHandoff(worker_id="prefill-0", peer_endpoint=pre.agent.endpoint)
+        offer = push_to.for_request(rid, len(ids), 10.0)
         preq = request(rid, ids, handoff=offer)
 
         async def run_prefill() -> None:

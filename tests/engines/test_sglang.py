@@ -195,6 +195,7 @@ class FakeSglangEngine:
 
     def __init__(self, steps, hang=False):
         self.steps, self.hang = steps, hang
+        self.hanging = asyncio.Event()  # every step streamed, waiting forever (hang=True)
         self.tokenizer_manager = FakeTokenizerManager()
         self.calls: list[dict] = []
 
@@ -206,6 +207,7 @@ class FakeSglangEngine:
             for step in self.steps:
                 yield step
             if self.hang:
+                self.hanging.set()
                 await asyncio.Event().wait()
 
         return stream()
@@ -230,7 +232,7 @@ async def test_generate_streams_and_cancels():
     hanging = FakeSglangEngine(steps[:1], hang=True)
     context = RequestContext("r-1")
     task = asyncio.ensure_future(run(e, hanging, request(), context))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(hanging.hanging.wait(), 5)  # cancelled mid-stream, after its first output
     context.cancel()
     outs = await asyncio.wait_for(task, 5)
     assert outs[-1].finish_reason == "abort" and hanging.tokenizer_manager.aborted == ["r-1"]
@@ -248,21 +250,32 @@ async def test_kv_events_from_sglangs_publisher_reach_the_indexer(tmp_path):
                                  lora_id=None, medium="GPU", cache_salt=None, session_id="s"),
                   SglBlockStored(block_hashes=[12], parent_block_hash=11, token_ids=tokens[16:], block_size=16,
                                  lora_id=None)]
-        await asyncio.sleep(0.2)  # the SUB socket joins before the first batch
-        publisher.publish(SglKVEventBatch(ts=time.time(), events=stored))
-        publisher.publish(SglKVEventBatch(ts=time.time(), events=[SglBlockRemoved(block_hashes=[12])]))
         indexer = KvIndexer()
         ingest = EventIngestor(indexer, block_size=16)
-        first = await source.next(timeout_s=5)
-        assert first is not None and first[0] == 0
-        ingest.deliver("w", *first)
+
+        async def deliver_next() -> int:
+            batch = await source.next(timeout_s=5)
+            assert batch is not None, "a batch SGLang published did not arrive"
+            ingest.deliver("w", *batch)
+            return batch[0]
+
+        # PUB drops what it sends before the SUB's subscription reaches it (ZMQ's slow joiner): empty
+        # batches until one arrives; from then on nothing is lost
+        probes = 0
+        while await source.next(timeout_s=0.05) is None:
+            assert probes < 200, "no batch from SGLang's publisher reached the subscriber"
+            publisher.publish(SglKVEventBatch(ts=time.time(), events=[]))
+            probes += 1
+        publisher.publish(SglKVEventBatch(ts=time.time(), events=stored))  # seq `probes`
+        publisher.publish(SglKVEventBatch(ts=time.time(), events=[SglBlockRemoved(block_hashes=[12])]))
+        while await deliver_next() < probes:  # probes that were still on their way
+            pass
         assert indexer.find_matches([a, b]).to_dict() == {"w": 2}
         assert ingest.stats.rejected == 0
-        second = await source.next(timeout_s=5)
-        ingest.deliver("w", *second)
+        assert await deliver_next() == probes + 1
         assert indexer.find_matches([a, b]).to_dict() == {"w": 1}
         replayed = await source.replay(0)  # SGLang's replay socket speaks the same protocol
-        assert [seq for seq, _ in replayed] == [0, 1] and replayed[0][1] == first[1]
+        assert [seq for seq, _ in replayed] == list(range(probes + 2))
     finally:
         publisher.shutdown()
         await source.close()

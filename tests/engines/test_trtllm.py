@@ -119,6 +119,7 @@ class RequestOutput:
         if self.finished:
             raise StopAsyncIteration
         if not self._steps:
+            LLM.hanging.set()
             await asyncio.Event().wait()  # a request that never finishes
         step = self._steps.pop(0)
         for key, value in step.items():
@@ -139,7 +140,8 @@ class IterationResult:
 
     async def __anext__(self):
         if not self._events:
-            await asyncio.sleep(self._timeout)
+            LLM.events_taken.set()  # the caller asks again: it has handled every event before
+            await asyncio.sleep(self._timeout)  # TRT-LLM's own wait: the iteration ends after `timeout`
             raise StopAsyncIteration
         return self._events.pop(0)
 
@@ -148,6 +150,8 @@ class LLM:
     instances: list["LLM"] = []
     steps: list[dict] = []
     events: list[dict] = []
+    hanging: asyncio.Event  # a request streamed every step and waits forever (steps ran out)
+    events_taken: asyncio.Event  # the KV event iteration was asked past its last event
 
     def __init__(self, model: str, **kwargs):
         self.model, self.kwargs, self.calls, self.results = model, kwargs, [], []
@@ -181,6 +185,7 @@ def trtllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
     monkeypatch.delitem(sys.modules, "dynamo_pd.engines.trtllm", raising=False)
     LLM.instances, LLM.steps, LLM.events = [], [], []
+    LLM.hanging, LLM.events_taken = asyncio.Event(), asyncio.Event()
     yield importlib.import_module("dynamo_pd.engines.trtllm")
     sys.modules.pop("dynamo_pd.engines.trtllm", None)
 
@@ -273,7 +278,7 @@ async def test_cancel_aborts(trtllm):
     await e.start()
     context = RequestContext("r-1")
     task = asyncio.ensure_future(generate(e, request(), context))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(LLM.hanging.wait(), 5)  # cancelled while TRT-LLM runs the request
     context.cancel()
     outs = await asyncio.wait_for(task, 5)
     assert outs[-1].finish_reason == "abort" and LLM.instances[0].results[0].aborted
@@ -292,12 +297,8 @@ async def test_kv_events_reach_the_wire_format(trtllm):
     ]
     e = engine(trtllm, EngineRole.AGGREGATED)
     await e.start()
-    events = []
-    for _ in range(100):
-        events += e.drain_kv_events()
-        if len(events) == 2:
-            break
-        await asyncio.sleep(0.02)
+    await asyncio.wait_for(LLM.events_taken.wait(), 5)
+    events = e.drain_kv_events()
     await e.stop()
     batch, skipped = decode_batch(encode_batch(events))
     assert skipped == 0 and batch.events == [

@@ -12,6 +12,7 @@ import signal
 import pytest
 import torch
 from tests.kv_transfer.cases import needs_nixl
+from tests.runtime.test_rpc_drain import until
 from kv_peer import Peer, filled_memory, make_config, make_layout, token_stream
 
 from kv_transfer import KVMemory, KVTransferAgent, PeerLostError
@@ -48,7 +49,7 @@ async def start_stalled_pull(agent: KVTransferAgent, peer: Peer, rid: str, local
     agent.transport._connect = connect_then_stop
     task = asyncio.create_task(agent.pull(desc, local))
     await asyncio.wait_for(stalled.wait(), 30)
-    await asyncio.sleep(0)  # the READ is posted: the pull polls it
+    await until(lambda: agent.transport._active)  # counted as the READ is posted: the pull polls it
     agent.transport._connect = connect
     return task
 
@@ -86,14 +87,16 @@ async def test_a_read_that_never_ends_is_stopped_by_destroying_the_nixl_agent(st
     """The peer stays stopped past the timeout and the grace after it: the NIXL agent is destroyed
     (and replaced) before the pull raises, so the READ can no longer land once the peer resumes."""
     layout = make_layout("native", 16)
-    async with KVTransferAgent("decode", KVMemory.allocate(layout), make_config("nixl", "decode", timeout_s=0.5)) as agent:
+    config = make_config("nixl", "decode", timeout_s=0.5)
+    async with KVTransferAgent("decode", KVMemory.allocate(layout), config) as agent:
         stale = list(range(32, 64))
         task = await start_stalled_pull(agent, stoppable_peer, "stuck", stale)
         with pytest.raises(PeerLostError):
             await asyncio.wait_for(task, 60)
         os.kill(stoppable_peer.process.pid, signal.SIGCONT)
-        # The fresh agent (same name) works; its progress does not bring the old READ's bytes.
-        assert await agent.pull(stoppable_peer.hold("after", BLOCKS, TOKENS), BLOCKS) > 0
+        # The fresh agent (same name) works; its progress does not bring the old READ's bytes. (Its own
+        # timeout: the just-resumed peer may need more than the 0.5 s this agent gives a stuck READ.)
+        assert await agent.pull(stoppable_peer.hold("after", BLOCKS, TOKENS), BLOCKS, timeout_s=30) > 0
         assert torch.equal(token_stream(agent.memory, BLOCKS, TOKENS), expected())
         assert agent.memory.layer_view(0)[:, 32:].abs().sum() == 0  # before: the old READ landed here
         assert agent.transport.torn_down == 1

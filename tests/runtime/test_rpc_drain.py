@@ -4,6 +4,7 @@ and the drain timeout ends the rest with WorkerDrainingError, their handlers can
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -25,16 +26,30 @@ async def collect(client: RpcClient, endpoint: str, payload: bytes, rid: str) ->
     return b"".join([chunk async for chunk in client.stream(endpoint, payload, RequestContext(rid))])
 
 
+def held_after_the_first_byte(worker: Worker, gate: asyncio.Event):
+    """`worker`'s handler, each stream held after its first byte until `gate` is set: open for as long
+    as the test needs, whatever the machine's speed."""
+    async def handler(payload: bytes, context: RequestContext):
+        async with contextlib.aclosing(worker.handler(payload, context)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+                await gate.wait()
+
+    return handler
+
+
 async def test_a_drain_lets_open_streams_finish_and_refuses_new_ones():
-    worker = Worker(delay_s=0.02)
+    worker, gate = Worker(), asyncio.Event()
     client = RpcClient()
-    async with RpcServer(worker.handler) as server:
+    async with RpcServer(held_after_the_first_byte(worker, gate)) as server:
         running = asyncio.create_task(collect(client, server.endpoint, b"x" * 20, "old"))
         await until(lambda: "old" in worker.started)
         drain = asyncio.create_task(server.drain(timeout_s=10.0))
-        await asyncio.sleep(0.05)
+        await until(lambda: server._draining)
         with pytest.raises(WorkerDrainingError, match="takes no new requests"):
-            await collect(client, server.endpoint, b"abc", "new")
+            await asyncio.wait_for(collect(client, server.endpoint, b"abc", "new"), 10)
+        assert not running.done() and not drain.done()  # "old" is still open: the drain waits for it
+        gate.set()
         assert await asyncio.wait_for(running, 10) == b"x" * 20
         assert await asyncio.wait_for(drain, 10) == 0
         assert "new" not in worker.started and worker.ended["old"] == "done"
