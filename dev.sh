@@ -79,12 +79,7 @@ case "${1:-}" in
       install_dev
       dev_stamp > "$VENV/.dev-installed"
     fi
-    set +e
-    python -m pytest "$@"
-    rc=$?
-    # pytest's exit 5 means "no tests collected" (e.g. a -k filter matched nothing): not a failure.
-    [ "$rc" -eq 5 ] && rc=0
-    exit "$rc"
+    exec python -m pytest "$@"
     ;;
   *)
     echo "usage: ./dev.sh serve [serve options] | ./dev.sh test [pytest options]" >&2

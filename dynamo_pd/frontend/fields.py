@@ -64,7 +64,8 @@ _VLLM_COMMON: dict[str, NoOp] = {
 # Refused fields per route: OpenAI's own first, then vLLM's.
 REFUSED: dict[str, dict[str, NoOp]] = {
     "chat": {
-        "tools": _empty, "tool_choice": _is("none"), "functions": _empty, "function_call": _is("none"),
+        # the deprecated forms of tools and tool_choice stay refused: a 400 that names them points to those
+        "functions": _empty, "function_call": _is("none"),
         "audio": _absent, "modalities": _text_only, "prediction": _absent, "reasoning_effort": _absent,
         "verbosity": _absent, "web_search_options": _absent, "moderation": _absent,
         **_VLLM_COMMON,
@@ -82,7 +83,7 @@ REFUSED: dict[str, dict[str, NoOp]] = {
 
 # Declared in the request models (so in the schema), accepted, and read by nothing: none changes the output.
 ALLOWED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-           "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls", "session_id")
+           "prompt_cache_options", "prompt_cache_retention", "session_id")
 
 _MAX_LABELS = 64  # distinct unknown names counted by name; beyond, as "(other)": a client cannot grow the metric
 

@@ -8,8 +8,10 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from dynamo_pd.frontend.tools.output import OutputReader, delta_calls, message_calls
+from dynamo_pd.frontend.tools.request import ToolChoice, ToolSpec
 from dynamo_pd.protocol import EngineOutput, InvalidRequestError, SamplingParams, StopConditions, TokenLogprob, Usage
 
 
@@ -29,6 +31,15 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict[str, Any]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_need_no_content(cls, data: Any) -> Any:
+        # OpenAI's assistant message that only calls tools has content null (or none)
+        if isinstance(data, dict) and data.get("content") is None and data.get("role") == "assistant" and \
+                data.get("tool_calls"):
+            return {**data, "content": ""}
+        return data
 
     def for_template(self) -> dict[str, Any]:
         return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
@@ -113,7 +124,10 @@ class ChatCompletionRequest(_Common):
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
-    parallel_tool_calls: bool | None = None  # tools are refused, so it changes nothing
+    # tool calling (dynamo_pd.frontend.tools)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -175,14 +189,25 @@ def chunk_envelope(kind: str, rid: str, model: str, choice: dict[str, Any]) -> d
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def whole_body(kind: str, rid: str, model: str, decode, outputs: list[EngineOutput]) -> dict[str, Any]:
-    """The non-streaming response: every output's text and logprobs joined, the last one's usage."""
+def whole_body(kind: str, rid: str, model: str, decode, outputs: list[EngineOutput],
+               reader: OutputReader | None = None) -> dict[str, Any]:
+    """The non-streaming response: every output's text and logprobs joined, the last one's usage; with a
+    reader, the text read into content, tool calls and reasoning."""
     last = outputs[-1]
     logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
     wants_logprobs = outputs[0].logprobs is not None
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(last)}
     text = "".join(o.text for o in outputs)
-    if kind == "chat":
+    if kind == "chat" and reader is not None:
+        parsed = reader.whole(text, [t for o in outputs for t in o.token_ids])
+        choice["message"] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            choice["message"]["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            choice["message"]["tool_calls"] = message_calls(parsed.calls)
+            choice["finish_reason"] = _called(choice["finish_reason"])
+        choice["logprobs"] = chat_logprobs(logprobs, decode) if wants_logprobs else None
+    elif kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
         choice["logprobs"] = chat_logprobs(logprobs, decode) if wants_logprobs else None
     else:
@@ -195,12 +220,30 @@ def whole_body(kind: str, rid: str, model: str, decode, outputs: list[EngineOutp
     return body
 
 
-def stream_choice(kind: str, out: EngineOutput, decode) -> dict[str, Any] | None:
+def _called(reason: str | None) -> str | None:
+    """The finish reason of an answer that called tools (a call cut by max_tokens still says length)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def stream_choice(kind: str, out: EngineOutput, decode,
+                  reader: OutputReader | None = None) -> dict[str, Any] | None:
     """One streamed chunk's choice, or None when the output carries nothing to send."""
-    if not (out.text or out.finish_reason or out.logprobs):
-        return None
+    if not (out.text or out.finish_reason or out.logprobs or (reader is not None and out.token_ids)):
+        return None  # (a reader sees token ids: a tool-call marker is a special token, and not in the text)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out)}
-    if kind == "chat":
+    if kind == "chat" and reader is not None:
+        read = reader.feed(out.text, out.token_ids, final=out.finish_reason is not None)
+        parts = (("content", read.content), ("reasoning_content", read.reasoning))
+        choice["delta"] = {k: v for k, v in parts if v}
+        if read.calls:
+            choice["delta"]["tool_calls"] = delta_calls(read.calls)
+        if reader.called:
+            choice["finish_reason"] = _called(choice["finish_reason"])
+        if out.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(out.logprobs, decode)
+        if not (choice["delta"] or out.finish_reason or out.logprobs):
+            return None  # held back: it may be the start of a call
+    elif kind == "chat":
         choice["delta"] = {"content": out.text} if out.text else {}
         if out.logprobs is not None:
             choice["logprobs"] = chat_logprobs(out.logprobs, decode)

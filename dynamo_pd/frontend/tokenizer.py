@@ -47,21 +47,26 @@ def _environment() -> jinja2.Environment:
 
 
 class FastTokenizer:
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special: dict[str, str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special: dict[str, str],
+                 model_type: str = "") -> None:
         self._tokenizer, self._special = tokenizer, special
+        self.chat_template, self.model_type = chat_template, model_type  # read by dynamo_pd.frontend.tools
         self._template = None if chat_template is None else _environment().from_string(chat_template)
 
     def __call__(self, text: str) -> Encoded:
         return Encoded(self._tokenizer.encode(text, add_special_tokens=True).ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
+                            tokenize: bool = True, tools: list[dict] | None = None) -> list[int] | str:
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special)
+        text = self._template.render(messages=messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt, **self._special)
         # the template writes the special tokens itself, as transformers encodes it
         return self._tokenizer.encode(text, add_special_tokens=False).ids if tokenize else text
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab()
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode([ids] if isinstance(ids, int) else ids, skip_special_tokens=skip_special_tokens)
@@ -86,8 +91,9 @@ def load_tokenizer(model_dir: str | Path) -> tuple[FastTokenizer, int]:
             token = token.get("content")
         if isinstance(token, str):
             special[name] = token
-    context_len = _read_json(model_dir / "config.json").get("max_position_embeddings", 0)
-    return FastTokenizer(Tokenizer.from_file(str(path)), template, special), int(context_len)
+    model = _read_json(model_dir / "config.json")
+    tokenizer = FastTokenizer(Tokenizer.from_file(str(path)), template, special, model.get("model_type", ""))
+    return tokenizer, int(model.get("max_position_embeddings", 0))
 
 
 def _read_json(path: Path) -> dict:

@@ -36,6 +36,7 @@ def test_cpu_float32_and_native_bfloat16_are_packed():
     assert not packs_weights(torch.device("cuda"), torch.float32)
 
 
+@pytest.mark.hardware
 @pytest.mark.skipif(not packs_weights(torch.device("cpu"), torch.bfloat16), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("rows", [1, 8, 33, 300])
 def test_a_packed_bfloat16_projection_equals_f_linear(rows):

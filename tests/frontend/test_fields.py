@@ -146,7 +146,7 @@ async def test_allowed_fields_are_accepted_and_change_nothing_the_engine_is_aske
     plain, allowed = Backend(tokenizer), Backend(tokenizer)
     given = {"user": "u1", "metadata": {"team": "a"}, "store": True, "service_tier": "auto",
              "safety_identifier": "s", "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention":
-             "24h", "parallel_tool_calls": False, "session_id": "conversation-1",
+             "24h", "session_id": "conversation-1",
              "stream_options": None}
     assert set(given) - {"stream_options"} == set(fields.ALLOWED)
     assert (await post(create_app(plain, FrontendConfig()), "/v1/chat/completions", CHAT))[0] == 200
