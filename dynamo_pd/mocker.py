@@ -15,7 +15,7 @@ import logging
 import signal
 
 from dynamo_pd.engines.base import EngineRole
-from dynamo_pd.worker import Worker, WorkerConfig, parse_args
+from dynamo_pd.worker import Worker, WorkerConfig, parse_args, start_endpoint
 
 
 def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
@@ -37,7 +37,8 @@ def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
 
 
 async def serve(configs: list[WorkerConfig]) -> None:
-    workers = [Worker(config) for config in configs]
+    endpoint = await start_endpoint(configs[0])  # one for the process, each series labelled by its worker
+    workers = [Worker(config, endpoint) for config in configs]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,10 +49,12 @@ async def serve(configs: list[WorkerConfig]) -> None:
         if failed is not None:
             raise failed
         role = configs[0].engine_config.role.value
-        print(f"dynamo-pd {len(workers)} mocker {role} workers ready", flush=True)
+        print(f"dynamo-pd {len(workers)} mocker {role} workers ready "
+              f"(metrics {endpoint.url}/metrics)", flush=True)
         await stop.wait()
     finally:
         await asyncio.gather(*(worker.stop() for worker in workers))
+        await endpoint.close()
 
 
 def main(argv: list[str] | None = None) -> None:

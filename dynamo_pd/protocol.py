@@ -170,6 +170,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 0
     max_model_len: int = 0
     resumes: bool = False  # its engine continues a migrated request (EngineRequest.resume_token_ids)
+    metrics_endpoint: str = ""  # http://HOST:PORT serving its /metrics, /health and /ready ("": none)
 
 
 class OverloadedError(RuntimeError):

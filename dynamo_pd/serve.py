@@ -58,6 +58,9 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each worker to its own equal share of this process's cores (benchmarks: every "
                         "configuration of N workers gets the same compute); mocker workers are not pinned")
+    p.add_argument("--prometheus-config", default=None, metavar="PATH",
+                   help="once ready, write a Prometheus configuration scraping every process here "
+                        "(docs/operations/metrics.md)")
     add_frontend_args(p)
     return p
 
@@ -164,7 +167,8 @@ def failure_line(name: str, code: int | None, log: Path) -> str:
 
 
 async def _wait_ready(discovery_url: str, namespace: str, expected: int, children: list[subprocess.Popen],
-                      log_dir: Path) -> None:
+                      log_dir: Path) -> list:
+    """The registered workers' WorkerInfo, once `expected` have registered."""
     from dynamo_pd.runtime import connect_discovery
 
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -178,14 +182,15 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
                     raise SystemExit(failure_line(name, child.returncode, log_dir / f"{name}.log"))
             try:
                 discovery = discovery or await connect_discovery(discovery_url, namespace=namespace)
-                registered = len(await discovery.list())
+                infos = await discovery.list()
             except Exception:  # noqa: BLE001 - the frontend hosting discovery may still be starting
-                registered = 0
+                infos = []
+            registered = len(infos)
             if registered != seen:
                 print(f"dynamo-pd: {registered}/{expected} workers registered", flush=True)
                 seen = registered
             if registered >= expected:
-                return
+                return infos
             await asyncio.sleep(0.5)
         raise SystemExit(f"error: workers not ready within {_READY_TIMEOUT_S:.0f}s (logs in {log_dir})")
     finally:
@@ -281,15 +286,32 @@ def main(argv: list[str] | None = None) -> None:
                     command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                     preexec_fn=None if cores is None else lambda cores=cores: os.sched_setaffinity(0, cores)))
         configure(args.security)  # _wait_ready reads discovery
-        asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
+        infos = asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
+        _report_metrics(args, infos)
         _watch(children, log_dir)
     except KeyboardInterrupt:
         print("dynamo-pd: stopping", flush=True)
     finally:
         _ignore_signals()
         stop_children(children)
+
+
+def _report_metrics(args: argparse.Namespace, infos: list) -> None:
+    """Where each process's metrics are; with --prometheus-config, a Prometheus configuration scraping them."""
+    import yaml
+
+    from dynamo_pd.worker_metrics import metrics_urls, scrape_config
+
+    urls = metrics_urls(f"http://{args.host}:{args.port}", infos)
+    for url, names in urls.items():
+        print(f"dynamo-pd metrics: {', '.join(names)} at {url}", flush=True)
+    if args.prometheus_config:
+        key_file = os.path.abspath(args.api_key_file) if args.api_key_file else None
+        with open(args.prometheus_config, "w") as f:
+            yaml.safe_dump(scrape_config(urls, key_file), f, sort_keys=False)
+        print(f"dynamo-pd: Prometheus configuration in {args.prometheus_config}", flush=True)
 
 
 def _ignore_signals() -> None:

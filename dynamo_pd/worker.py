@@ -6,7 +6,7 @@ publishing KV events and load, registered in discovery under a lease.
 
 The hand-off (pull, or push with --kv-handoff push; an engine's own) is dynamo_pd.handoff's
 HandoffManager: this module only wires the engine, the manager, the event publisher, load and the
-registration together.
+registration together. Its /metrics, /health and /ready are dynamo_pd.worker_metrics's, on --metrics-port.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -44,7 +45,11 @@ from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
 from dynamo_pd.runtime.ports import advertise_host
 from dynamo_pd.runtime.security import Security
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from dynamo_pd.worker_metrics import WorkerEndpoint
 from router.events import encode_batch
+
+if TYPE_CHECKING:
+    from kv_transfer.agent import AgentCounters
 
 log = logging.getLogger("dynamo_pd.worker")
 
@@ -69,10 +74,11 @@ class WorkerConfig:
     served_model_name: str = ""  # the model's name for clients ("": --model, or the default model's name)
     load_interval_s: float = 0.5
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are moved
+    metrics_port: int = 0  # /metrics, /health and /ready on --host (0: a free port)
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, endpoint: WorkerEndpoint | None = None):
         self.config = config
         role = config.engine_config.role.value
         self.worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -85,10 +91,25 @@ class Worker:
         self._closers: list = []
         self._rpc: RpcServer | None = None
         self._registration = None
+        self._draining = False
+        self.endpoint = endpoint  # the process's metrics endpoint (mocker processes share one)
+        if endpoint is not None:
+            endpoint.add(self)
 
     @property
     def role(self) -> EngineRole:
         return self.config.engine_config.role
+
+    @property
+    def ready(self) -> bool:
+        """The engine started and the worker is registered, and not draining (the endpoint's /ready)."""
+        return self._registration is not None and not self._draining
+
+    def engine_stats(self) -> Any:
+        return self.engine.stats if self.engine is not None else None
+
+    def transfer_counters(self) -> AgentCounters | None:
+        return self.handoff.agent.counters() if self.handoff.agent is not None else None
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
@@ -108,6 +129,8 @@ class Worker:
         self.engine = engine = engine_class(cfg.engine_config, **({"kv_loader": self.handoff.load_kv} if loads else {}))
         await engine.start()
         self._closers.append(engine.stop)
+        if self.endpoint is not None:
+            engine.observe_steps(self.endpoint.step_observer(self.worker_id))
         model_name = cfg.engine_config.model or DEFAULT_MODEL
         await self.handoff.start(engine, model_name)
         self._closers.insert(0, self.handoff.close)
@@ -116,7 +139,7 @@ class Worker:
             model_path=model_name, rpc_endpoint="", block_size=cfg.engine_config.block_size,
             num_kv_blocks=engine.stats.num_total_blocks if engine.stats is not None else 0,
             max_num_seqs=cfg.engine_config.max_num_seqs, max_model_len=engine.max_model_len,
-            resumes=engine_class.resumes,
+            resumes=engine_class.resumes, metrics_endpoint=self.endpoint.url if self.endpoint else "",
         ))
         self.discovery = await _connect_discovery(cfg.discovery, cfg.namespace, cfg.security)
         self.events = await connect_event_plane(cfg.events, self.discovery, host=cfg.host,
@@ -141,6 +164,7 @@ class Worker:
         for up to drain_timeout_s, then end the rest with WorkerDrainingError: the frontend moves them."""
         if self._registration is None or self._rpc is None:
             return
+        self._draining = True  # /ready answers 503 from now: a load balancer stops sending too
         await self._registration.close()
         log.info("worker %s draining: %d requests in flight, up to %gs", self.worker_id, self._rpc.num_streams,
                  self.config.drain_timeout_s)
@@ -149,6 +173,7 @@ class Worker:
             log.warning("worker %s: drain timeout ended %d requests; the frontend moves them", self.worker_id, cut)
 
     async def stop(self) -> None:
+        self._draining = True
         await cancel_and_wait(self._tasks)
         for close in self._closers:
             with contextlib.suppress(Exception):
@@ -245,11 +270,16 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
                              "rest so the frontend continues them on another worker (default %(default)s)")
     parser.add_argument("--served-model-name", default="",
                         help="the name clients ask for this model by (default: --model)")
+    parser.add_argument("--metrics-port", type=int, default=WorkerConfig.metrics_port,
+                        help="serve /metrics (Prometheus), /health and /ready on --host at this port (default "
+                             "0: a free port, printed in the ready line and registered in discovery)")
     add_security_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
     if args.drain_timeout_s < 0:
         raise SystemExit(f"error: --drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"error: --metrics-port must be in [0, 65535], got {args.metrics_port}")
     try:
         args.advertise_host = advertise_host(args.host, args.advertise_host, args.discovery)
     except ValueError as exc:
@@ -260,11 +290,21 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
         events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
         advertise_host=args.advertise_host, security=security_from_args(args), worker_id=args.worker_id,
         served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port,
     )
 
 
+async def start_endpoint(config: WorkerConfig) -> WorkerEndpoint:
+    """The process's metrics endpoint, listening before the engine loads (/health answers, /ready is 503)."""
+    endpoint = WorkerEndpoint()
+    await endpoint.start(config.host, config.metrics_port,
+                         advertise_host(config.host, config.advertise_host, config.discovery))
+    return endpoint
+
+
 async def serve_worker(config: WorkerConfig) -> None:
-    worker = Worker(config)
+    endpoint = await start_endpoint(config)
+    worker = Worker(config, endpoint)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
@@ -272,12 +312,14 @@ async def serve_worker(config: WorkerConfig) -> None:
         loop.add_signal_handler(sig, lambda sig=sig: (signals.append(sig), stop.set()))
     try:
         await worker.start()
-        print(f"dynamo-pd {worker.role.value} worker {worker.worker_id} ready", flush=True)
+        print(f"dynamo-pd {worker.role.value} worker {worker.worker_id} ready "
+              f"(metrics {endpoint.url}/metrics)", flush=True)
         await stop.wait()
         if signals[0] is signal.SIGTERM:  # a rolling restart: in-flight work finishes or moves
             await worker.drain()
     finally:
         await worker.stop()
+        await endpoint.close()
 
 
 def main(role: EngineRole, argv: list[str] | None = None) -> None:

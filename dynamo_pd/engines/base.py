@@ -97,6 +97,11 @@ class Engine(abc.ABC):
         """KV events since the last call, in order (engines whose events the worker publishes)."""
         return []
 
+    def observe_steps(self, observer: Callable[[float, int], None]) -> bool:
+        """After start(): call `observer(seconds, sequences)` after every engine step, from the thread that
+        steps (a worker's metrics). False: the engine's steps are its own library's, not timed here."""
+        return False
+
 
 # name -> (module:class, the package it needs beyond the base install, how to install that package)
 _REGISTRY: dict[str, tuple[str, str | None, str | None]] = {

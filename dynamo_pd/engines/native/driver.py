@@ -92,6 +92,11 @@ class CoreDriver(Engine):
         """KV events since the last call, in order (safe from any thread)."""
         return self._core_or_raise().block_manager.drain_events()
 
+    def observe_steps(self, observer: Callable[[float, int], None]) -> bool:
+        # the seconds the step cost meter sees: the mocker's are its profile's, scaled by --speedup
+        self._core_or_raise().step_costs.observer = lambda load, seconds: observer(seconds, load.sequences)
+        return True
+
     # ---- requests (on the caller's loop)
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:

@@ -16,6 +16,7 @@ prefill_s_per_token and output_tokens are None until a prefill step ran, a reque
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from dynamo_pd.engines.native.scheduler import ScheduledBatch
@@ -27,11 +28,13 @@ DECAY = 0.02  # the newest observation's weight: about the last 50 steps (or req
 class StepLoad(NamedTuple):
     prefill_tokens: int
     decode_blocks: int
+    sequences: int = 0  # the batch's size (the model above does not use it; a worker's metrics do)
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> StepLoad:
         """Taken right after scheduling: a decode row's block table then holds its new token too."""
-        return cls(sum(n for _, n in batch if n > 1), sum(len(seq.block_table) for seq, n in batch if n == 1))
+        return cls(sum(n for _, n in batch if n > 1), sum(len(seq.block_table) for seq, n in batch if n == 1),
+                   len(batch))
 
 
 def _mix(means: list[float], values: tuple[float, ...]) -> None:
@@ -45,9 +48,12 @@ class StepCostMeter:
         self._decode = [0.0] * 5
         self._prefill = [0.0] * 2  # steps with prefill: weighted means of the excess seconds and of P
         self._output = [0.0] * 2  # finished requests: weighted means of 1 and of output tokens
+        self.observer: Callable[[StepLoad, float], None] | None = None  # each step too (Engine.observe_steps)
 
     def observe(self, load: StepLoad, seconds: float) -> None:
-        P, B = load
+        if self.observer is not None:
+            self.observer(load, seconds)
+        P, B = load.prefill_tokens, load.decode_blocks
         if P == 0:
             _mix(self._decode, (1.0, B, seconds, B * B, B * seconds))
             return
