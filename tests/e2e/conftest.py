@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ class Deployment:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)  # "frontend", worker ids
     logs: Path | None = None
     namespace: str = ""
+    killed: set[str] = field(default_factory=set)  # processes a test ended with SIGKILL (kill())
 
     def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(self.url + path, headers=headers or {})
@@ -99,6 +101,17 @@ class Deployment:
         and return each process's exit code."""
         stop_children(list(self.procs.values()), grace_s=20)
         return {name: proc.returncode for name, proc in self.procs.items()}
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process; stop_checked() expects its -SIGKILL (until a new process takes the name)."""
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.killed.add(name)
+
+    def stop_checked(self) -> None:
+        """stop(), and check that each process exited 0 on SIGTERM, or -SIGKILL where kill() ended it."""
+        codes = self.stop()
+        expected = {name: -signal.SIGKILL if name in self.killed else 0 for name in codes}
+        assert codes == expected, f"exit codes {codes}, expected {expected}; logs in {self.logs}"
 
 
 def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = None,

@@ -26,7 +26,7 @@ def deployment(tmp_path_factory):
     deployment = start_deployment(logs, "--aggregated", "1", "--kv-cache-memory-gb", "0.2", "--config", str(config))
     deployment.config = config
     yield deployment
-    deployment.stop()
+    deployment.stop_checked()
 
 
 def probe(deployment) -> int:
@@ -56,6 +56,8 @@ def test_a_sighup_reload_changes_a_limit_while_a_stream_in_flight_completes(depl
 
     deployment.config.write_text("[limits]\nper_key = { requests_per_s = -1 }\n")  # refused: nothing changes
     deployment.procs["frontend"].send_signal(signal.SIGHUP)
+    log = deployment.logs / "frontend.log"
+    deployment.wait_for(lambda: "reload refused" in log.read_text(), 30, "the bad file read and refused")
     status, body = deployment.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
     assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
 
@@ -66,5 +68,5 @@ def test_a_sighup_reload_changes_a_limit_while_a_stream_in_flight_completes(depl
     assert not any("error" in e for e in events)
     assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
-    log = (deployment.logs / "frontend.log").read_text()
-    assert "configuration reloaded" in log and "limits.per_key.requests_per_s must be a number >= 0" in log
+    text = log.read_text()
+    assert "configuration reloaded" in text and "limits.per_key.requests_per_s must be a number >= 0" in text
