@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_pd.runtime.ports import free_port
+from tests.e2e.conftest import Deployment
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -30,7 +31,8 @@ def test_offline_generate_prints_each_prompt_and_reuses_the_repeated_one():
 
 @pytest.mark.nixl
 def test_the_by_hand_deployment_serves_stream_chat(tmp_path, etcd_url, nats_url):
-    """etcd + NATS + NIXL + push hand-off, each process started as a user would; SIGTERM stops all."""
+    """etcd + NATS + NIXL + push hand-off, each process started as a user would; SIGTERM stops all. The
+    answer's KV moved prefill -> decode (a request that fell back to local prefill answers the same)."""
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     port = free_port()
     log_path = tmp_path / "by_hand.log"
@@ -50,6 +52,10 @@ def test_the_by_hand_deployment_serves_stream_chat(tmp_path, etcd_url, nats_url)
         assert chat.returncode == 0, chat.stderr[-3000:]
         text, _, usage = chat.stdout.rpartition("\n[")
         assert text.strip() and "generated]" in usage, chat.stdout
+        frontend = Deployment(url=f"http://127.0.0.1:{port}", logs=tmp_path)
+        assert frontend.rendered_metric("dynamo_pd_kv_transfer_bytes_total") > 0
+        for reason in ("prefill_failed", "transfer_failed"):
+            assert frontend.rendered_metric("dynamo_pd_prefill_fallbacks_total", reason=reason) == 0, reason
         script.send_signal(signal.SIGTERM)
         assert script.wait(60) == 0, log_path.read_text()[-3000:]  # 0: every process it started stopped cleanly
     finally:
