@@ -32,6 +32,20 @@ class PromptTooLongError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+class Guided(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match (structured output), compiled by dynamo_pd.guided. `spec`: the JSON schema,
+    regex, EBNF grammar or structural tag as text, a JSON list of strings for "choice", "" for "json_object".
+    `param` names the request field it came from, so an error about it names that field. Frozen: it keys
+    the caches of compiled grammars."""
+
+    kind: GuidedKind
+    spec: str = ""
+    param: str = "response_format"
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -41,6 +55,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives per sampled token; None disables
+    guided: Guided | None = None  # constrained output; None: free text
 
     def validate(self) -> None:
         def check(ok: bool, param: str, what: str) -> None:

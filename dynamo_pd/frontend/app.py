@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dynamo_pd.runtime import RequestContext
-from dynamo_pd.frontend import openai as oai
+from dynamo_pd.frontend import openai as oai, structured
 from dynamo_pd.frontend.fields import FieldPolicy
 from dynamo_pd.frontend.gateway import ModelNotFoundError
 from dynamo_pd.frontend.tools import prompt, request as tool_request
@@ -317,7 +317,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             if not backend.ready():
                 raise OverloadedError(f"model {name!r} has no worker ready")
             ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # 4 MiB takes seconds
-            request = EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=body.sampling(body.logprob_count()),
+            request = EngineRequest(request_id=rid, prompt_token_ids=ids,
+                                    sampling=body.sampling(body.logprob_count(), guided),
                                     stop=body.stop_conditions(config.default_max_tokens))
             request.validate()
             if len(ids) + request.stop.max_tokens > backend.max_model_len:
@@ -334,6 +335,9 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         try:
             chain = models.chain(body.model)
             models.limiter.check(key, body.model, requests=1)
+            guided = structured.from_request(body)
+            if guided is not None:  # a spec that does not compile is a 400 before any worker sees it
+                await _unless_gone(gone, structured.check(guided))
             failures: list[Exception] = []
             for name in chain:
                 try:

@@ -34,10 +34,6 @@ def _is(*noops: Any) -> NoOp:
     return lambda value: value is None or any(value == n and type(value) is type(n) for n in noops)
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _text_only(value: Any) -> bool:
     return value is None or value == ["text"]
 
@@ -49,10 +45,8 @@ _VLLM_COMMON: dict[str, NoOp] = {
     "use_beam_search": _is(False), "length_penalty": _is(1.0, 1), "min_p": _is(0.0, 0), "min_tokens": _is(0),
     "include_stop_str_in_output": _is(False), "skip_special_tokens": _is(True),
     "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _absent, "prompt_logprobs": _absent,
-    "allowed_token_ids": _empty, "bad_words": _empty, "response_format": _text_format,
-    "structured_outputs": _absent, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
-    "guided_grammar": _absent, "structural_tag": _absent, "guided_decoding_backend": _absent,
-    "guided_whitespace_pattern": _absent, "priority": _is(0), "request_id": _absent, "logits_processors": _empty,
+    "allowed_token_ids": _empty, "bad_words": _empty, "guided_whitespace_pattern": _absent, "priority": _is(0),
+    "request_id": _absent, "logits_processors": _empty,
     "return_tokens_as_token_ids": _is(False), "return_token_ids": _is(False), "cache_salt": _absent,
     "kv_transfer_params": _absent, "vllm_xargs": _empty, "mm_processor_kwargs": _empty, "prompt_embeds": _absent,
     "logit_bias": _empty, "repetition_detection": _absent, "truncation_side": _absent,
@@ -119,6 +113,5 @@ class FieldPolicy:
 
 
 def _noop_hint(name: str) -> str:
-    hints = {"response_format": '{"type": "text"}', "tool_choice": '"none"', "function_call": '"none"',
-             "modalities": '["text"]'}
+    hints = {"tool_choice": '"none"', "function_call": '"none"', "modalities": '["text"]'}
     return hints.get(name, "its default")

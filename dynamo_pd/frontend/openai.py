@@ -12,7 +12,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from dynamo_pd.frontend.tools.output import OutputReader, delta_calls, message_calls
 from dynamo_pd.frontend.tools.request import ToolChoice, ToolSpec
-from dynamo_pd.protocol import EngineOutput, InvalidRequestError, SamplingParams, StopConditions, TokenLogprob, Usage
+from dynamo_pd.frontend.structured import ResponseFormat, StructuredOutputs
+from dynamo_pd.protocol import (
+    EngineOutput, Guided, InvalidRequestError, SamplingParams, StopConditions, TokenLogprob, Usage,
+)
 
 
 def _unicode(text: str) -> str:
@@ -85,6 +88,15 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     user: str | None = None  # accepted, no effect on the output (fields.ALLOWED), as is:
     session_id: str | None = None  # vLLM's identity of related requests
+    # structured output (structured.py reads them into one Guided)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
 
     def stop_conditions(self, default_max_tokens: int) -> StopConditions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -98,7 +110,7 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, logprobs: int | None) -> SamplingParams:
+    def sampling(self, logprobs: int | None, guided: Guided | None = None) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -108,6 +120,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            guided=guided,
         )
 
 

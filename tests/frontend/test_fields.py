@@ -33,10 +33,8 @@ ASKS = {
     "web_search_options": {}, "moderation": {"type": "auto"}, "use_beam_search": True, "length_penalty": 0.5,
     "min_p": 0.1, "min_tokens": 3, "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"", "structural_tag": "{}",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "priority": 1, "request_id": "r1",
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "guided_whitespace_pattern": " ", "priority": 1,
+    "request_id": "r1",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
     "prompt_embeds": "AAAA", "logit_bias": {"42": 100}, "echo": True, "add_generation_prompt": False,
@@ -49,7 +47,7 @@ ASKS = {
     "include_reasoning": False,
 }
 ASKS_ON = {("chat", "add_special_tokens"): True, ("completion", "add_special_tokens"): False}  # defaults differ
-NOOPS = {"response_format": {"type": "text"}, "tool_choice": "none", "function_call": "none",
+NOOPS = {"tool_choice": "none", "function_call": "none",
          "modalities": ["text"], "n": 1, "logit_bias": {}, "tools": [], "echo": False, "best_of": 1, "suffix": "",
          "min_p": 0.0, "use_beam_search": False, "skip_special_tokens": True, "priority": 0}
 
