@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_pd.handoff import Handoff, HandoffOffer, HandoffTimes
-from dynamo_pd.protocol import EngineOutput, EngineRequest
+from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError
 from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
 from router.worker import Role
@@ -68,10 +68,13 @@ class Engine(abc.ABC):
     # says; else the worker publishes what drain_kv_events() returns. resumes: it honours
     # EngineRequest.resume_token_ids, so a request migrates to it from a failed worker. project_hashes: the
     # events drain_kv_events() returns name blocks by router.hashing's hashes (the router need not re-hash).
+    # guided_kinds: the structured outputs (protocol.Guided kinds) it enforces; any other is a 400 naming
+    # the request field that asked for it (check_guided).
     kv_handoffs: tuple[str, ...] = ()
     publishes_kv_events: bool = False
     project_hashes: bool = False
     resumes: bool = False
+    guided_kinds: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -82,6 +85,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         """Stream outputs; the last one carries finish_reason and usage. Cancelling `context` aborts."""
+
+    def check_guided(self, request: EngineRequest) -> None:
+        """Raise InvalidRequestError naming the request's field when it asks for a structured output this
+        engine does not enforce (never a free-text answer in its place)."""
+        guided = request.sampling.guided
+        if guided is not None and guided.kind not in self.guided_kinds:
+            served = ", ".join(sorted(self.guided_kinds)) or "none"
+            raise InvalidRequestError(f"{guided.param}: this model's engine ({type(self).__name__}) does not "
+                                      f"enforce {guided.kind} output (it enforces: {served})", guided.param)
 
     async def release_handoff(self, request_id: str) -> None:
         """PREFILL: free the blocks held for `request_id` (decode pulled them, or gave up)."""

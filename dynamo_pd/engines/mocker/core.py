@@ -7,7 +7,9 @@ the native engine does and sets `step_s`, how long the profiled model takes for 
 speed-up). Instead of K and V it writes each computed token's id into a tiny KV cache in the native
 layout (1 layer, 1 head, 4 floats): not the model's KV, but real blocks for kv_transfer to move and
 for tests to check. Sampled tokens are pseudo-random and deterministic: a hash of the position and
-of the prompt (greedy), the prompt and seed (seeded), or the prompt and request id (else).
+of the prompt (greedy), the prompt and seed (seeded), or the prompt and request id (else). Under a grammar
+(structured output) the pick is among the tokens it allows, a stop token as soon as it allows one (the
+output ends as early as the grammar lets it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import struct
 import threading
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -27,12 +30,16 @@ from dynamo_pd.engines.mocker.profile import Profile
 from dynamo_pd.engines.native.block_manager import BlockManager
 from dynamo_pd.engines.native.config import ModelConfig
 from dynamo_pd.engines.native.core import EngineCore
+from dynamo_pd.engines.native.grammar import allowed_tokens, huggingface_grammars
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence
 from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, TokenLogprob
 from router.hashing import token_bytes
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 KV_HEAD_DIM = 4  # the tiny stand-in KV: [1 layer, 2, blocks, block_size, 1 head, 4] float32
 _PAIR = struct.Struct("<QQ")
@@ -81,6 +88,9 @@ class MockerCore(EngineCore):
                              f"({mc.max_position_embeddings} tokens)")
         self.tokenizer = text_table(self.model_dir)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammars = huggingface_grammars(self.model_dir, mc.vocab_size, self.eos_token_ids)
+        self._plain_mask = torch.zeros(mc.vocab_size, dtype=torch.bool)  # plain ids: picks under a grammar
+        self._plain_mask[[t for t in self.tokenizer.plain if t < mc.vocab_size]] = True
         bs = config.block_size
         # --kv-cache-memory-gb is the simulated GPU's KV memory, in the profiled model's KV bytes
         kv_bytes = int(config.kv_cache_memory_gb * 2**30)
@@ -135,13 +145,25 @@ class MockerCore(EngineCore):
     def _sample(self, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         h = xxhash.xxh3_64_intdigest(_PAIR.pack(self._key(seq), len(seq.token_ids)))
         plain = self.tokenizer.plain
-        token = plain[h % len(plain)]
+        token = plain[h % len(plain)] if seq.grammar is None else self._allowed(seq.grammar, h)
         top_k = seq.request.sampling.logprobs
         if top_k is None:
             return token, None
         logprob = -(h >> 40) / 2**22  # in (-4, 0]
         top = [(plain[(h + j) % len(plain)], logprob - j) for j in range(top_k)]  # the sampled token first
         return token, TokenLogprob(token, logprob, top)
+
+    def _allowed(self, matcher: GrammarMatcher, h: int) -> int:
+        """A token the grammar allows next: a stop token if it allows one, else a plain one by `h` (any
+        allowed one where it allows no plain token)."""
+        allowed = allowed_tokens(matcher, self.model_config.vocab_size)
+        stops = [t for t in sorted(self.eos_token_ids) if allowed[t]]
+        if stops:
+            return stops[0]
+        choices = (allowed & self._plain_mask).nonzero()
+        if not len(choices):
+            choices = allowed.nonzero()
+        return int(choices[h % len(choices)])
 
     def _key(self, seq: Sequence) -> int:
         key = self._keys.get(seq)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -15,6 +16,7 @@ from dynamo_pd.engines.base import EngineConfig, EngineRole
 from dynamo_pd.engines.native.block_manager import BlockManager
 from dynamo_pd.engines.native.config import ModelConfig
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
+from dynamo_pd.engines.native.grammar import huggingface_grammars
 from dynamo_pd.engines.native.loader import load_weights
 from dynamo_pd.engines.native.model import LlamaModel
 from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
@@ -32,6 +34,9 @@ from dynamo_pd.protocol import (
     TokenLogprob,
 )
 from router.load import StepCosts
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,6 +76,7 @@ class EngineCore:
         dtype = _DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammars = huggingface_grammars(self.model_dir, mc.vocab_size, self.eos_token_ids)
         model = LlamaModel(mc, load_weights(self.model_dir, mc, self.device, dtype), self.max_model_len, self.device)
         bs = config.block_size
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(
@@ -122,7 +128,9 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"handoff holds {handoff.num_tokens} tokens of KV but the prompt has {len(prompt)}", "handoff")
 
-    def add_request(self, request: EngineRequest) -> None:
+    def add_request(self, request: EngineRequest, grammar: CompiledGrammar | None = None) -> None:
+        """Queue `request`. A request under a grammar gets its matcher here, from `grammar` when the caller
+        compiled it off this thread (CoreDriver), else compiled now."""
         self.check_request(request)
         rid = request.request_id
         if rid in self.seqs or rid in self.held:
@@ -135,7 +143,13 @@ class EngineCore:
             generator=None if seed is None else torch.Generator().manual_seed(seed),
         )
         seq.needs_load = self.role is EngineRole.DECODE and request.handoff is not None
+        guided = request.sampling.guided
+        if guided is not None:
+            seq.grammar = self.grammars.matcher(guided, grammar)
         for token in request.resume_token_ids:  # sampled before a migration: as if sampled here
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                raise InvalidRequestError(f"resumed token {token} does not follow the request's grammar",
+                                          "resume_token_ids")
             seq.token_ids.append(token)
             seq.detokenizer.add(token)
             skip_draw(seq)

@@ -16,15 +16,19 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader
 from dynamo_pd.engines.native.core import EngineCore, EngineStats
+from dynamo_pd.guided import KINDS
 from dynamo_pd.protocol import EngineOutput, EngineRequest
 from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class CoreDriver(Engine):
     kv_handoffs = ("pull", "push")
     resumes = True  # EngineCore.add_request continues resume_token_ids
     project_hashes = True  # the block manager names blocks by router.hashing (sequence.full_block_hashes)
+    guided_kinds = KINDS  # the sampler applies every kind's grammar (native/grammar.py)
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None):
         if config.role is EngineRole.DECODE and kv_loader is None:
@@ -102,10 +107,13 @@ class CoreDriver(Engine):
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         core = self._core_or_raise()
         core.check_request(request)
+        guided, grammar = request.sampling.guided, None
+        if guided is not None:  # compiled here, off the core's loop: a new schema takes ~0.2 s
+            grammar = await asyncio.to_thread(core.grammars.compile, guided)
         rid = request.request_id
         inbox: asyncio.Queue = asyncio.Queue()
         deliver = self._sink(rid, inbox)
-        self._do(lambda: self._add(request, deliver))
+        self._do(lambda: self._add(request, deliver, grammar))
         done = aborted = False
         try:
             while True:
@@ -145,9 +153,10 @@ class CoreDriver(Engine):
 
     # ---- the core's loop
 
-    def _add(self, request: EngineRequest, deliver: Callable[[Any], None]) -> None:
+    def _add(self, request: EngineRequest, deliver: Callable[[Any], None],
+             grammar: CompiledGrammar | None) -> None:
         try:
-            self._core.add_request(request)
+            self._core.add_request(request, grammar)
         except Exception as exc:  # noqa: BLE001 - the caller raises it
             deliver(exc)
             return

@@ -2,13 +2,15 @@
 
 Random rows draw one uniform number each from their own generator (a request's seed, or the
 engine's), then pick by inverse CDF, so a seeded request samples the same tokens whatever
-else shares its batch.
+else shares its batch. Rows under a grammar (structured output) first lose every token it does not
+allow next (grammar.py); the logprobs reported stay the model's own.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dynamo_pd.engines.native.grammar import apply_bitmask
 from dynamo_pd.engines.native.sequence import Sequence
 from dynamo_pd.protocol import TokenLogprob
 
@@ -53,6 +55,7 @@ def sample(
     raw_logprobs = None
     if any(seq.request.sampling.logprobs is not None for seq in seqs):
         raw_logprobs = logits.log_softmax(dim=-1)  # reported logprobs: the model's own distribution
+    apply_bitmask(logits, [seq.grammar for seq in seqs])  # in place: the caller's logits are this step's own
     params = [seq.request.sampling for seq in seqs]
     if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
         logits = logits.clone()

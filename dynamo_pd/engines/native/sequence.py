@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
 from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
 from router.hashing import chain_hash, local_hash, salt_root
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +39,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading full blocks already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # sequence hashes of full blocks, lazily
     needs_load: bool = False  # DECODE role: the prompt's KV comes from elsewhere
+    grammar: GrammarMatcher | None = None  # structured output: what the grammar allows next (grammar.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_token_ids)
@@ -57,16 +62,23 @@ class Sequence:
         """Add a sampled token and decide by the one stop rule of the engines run here (native, llama.cpp):
         stop token, EOS, stop string, then length. `echo`: the first token, sampled and streamed by a
         prefill worker; its text is what that side streamed by the same holdback rule, so this side's
-        text starts after it. A prefill that does not end the request ends as "prefill_done"."""
+        text starts after it. A prefill that does not end the request ends as "prefill_done". Under a
+        grammar the token moves its matcher (which rebuilds it, for tokens sampled elsewhere) and the request
+        stops where the grammar ends; a token the grammar refuses (sampled elsewhere) ends it in error."""
         self.token_ids.append(token)
         stop = self.request.stop
         finish = stop_reason = None
+        if self.grammar is not None and not self.grammar.accept_token(token):
+            return EngineOutput(request_id=self.request_id, token_ids=[token], finish_reason="error",
+                                error=f"token {token} does not follow the request's grammar")
         if token in stop.stop_token_ids:
             finish, stop_reason = "stop", token
         elif token in eos_token_ids and not stop.ignore_eos:
             finish = "stop"
         elif (matched := self.detokenizer.add(token)) is not None:
             finish, stop_reason = "stop", matched
+        if finish is None and self.grammar is not None and self.grammar.is_terminated():
+            finish = "stop"  # the grammar is complete (its stop token accepted; with ignore_eos too)
         if finish is None and (len(self.output_token_ids) >= stop.max_tokens or len(self.token_ids) >= max_model_len):
             finish = "length"
         if echo:

@@ -1,0 +1,108 @@
+"""Structured output in the native sampler (the mocker and llama.cpp sample through it too): a request's
+Guided compiled against the model's vocabulary once per spec, one xgrammar GrammarMatcher per sequence, and
+per step one token bitmask for the batch, filled for the rows that have a grammar and applied to their logits.
+
+A matcher's state is the tokens it accepted and nothing else: the decode side of a hand-off and the worker a
+request migrates to rebuild it by accepting the tokens emitted so far (Sequence.append), so no grammar state
+crosses the wire. xgrammar is imported when the first request with a grammar arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dynamo_pd.guided import grammar
+from dynamo_pd.protocol import Guided, InvalidRequestError
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+_KEPT = 128  # compiled grammars kept per vocabulary: clients repeat their schemas
+_COMPILE_THREADS = 2  # compiling runs beside the step thread: it must not take every core from it
+
+
+class Grammars:
+    """Compiles Guided specs against one vocabulary and makes their matchers; safe from any thread."""
+
+    def __init__(self, tokenizer_info: Callable[[], xgr.TokenizerInfo]):
+        self._tokenizer_info = tokenizer_info  # built on first use: ~1.5 s for a 49k-token vocabulary
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiled: OrderedDict[Guided, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, guided: Guided) -> xgr.CompiledGrammar:
+        """`guided` compiled (or from the cache); InvalidRequestError naming its field when it does not
+        compile."""
+        with self._lock:  # one compile at a time: the same schema asked twice at once compiles once
+            compiled = self._compiled.get(guided)
+            if compiled is not None:
+                self._compiled.move_to_end(guided)
+                return compiled
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=_COMPILE_THREADS,
+                                                     cache_enabled=False)  # the cache is this class's
+            parsed = grammar(guided)
+            try:
+                compiled = self._compiler.compile_grammar(parsed)
+            except Exception as exc:  # noqa: BLE001 - xgrammar's own errors, as the client's mistake
+                raise InvalidRequestError(f"{guided.param}: the {guided.kind} does not compile against this "
+                                          f"model's vocabulary: {exc}", guided.param) from None
+            self._compiled[guided] = compiled
+            if len(self._compiled) > _KEPT:
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def matcher(self, guided: Guided, compiled: xgr.CompiledGrammar | None = None) -> xgr.GrammarMatcher:
+        """A new matcher for `guided` (compiled here unless given), at the start of the output."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled if compiled is not None else self.compile(guided))
+
+
+@functools.cache
+def huggingface_grammars(model_dir: Path, vocab_size: int, stop_token_ids: frozenset[int]) -> Grammars:
+    """One Grammars per model in a process (the mocker runs many workers in one), over its Hugging Face
+    tokenizer; stop tokens are the model's EOS ids, which a grammar allows once its output is complete."""
+
+    def tokenizer_info() -> xgr.TokenizerInfo:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+
+    return Grammars(tokenizer_info)
+
+
+def apply_bitmask(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+    """In place: in each row with a matcher, every token its grammar does not allow next becomes -inf. One
+    bitmask for the batch; rows without a matcher are left as they are."""
+    rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    for row in rows:
+        matchers[row].fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> torch.Tensor:
+    """A [vocab_size] bool mask of the tokens the matcher allows next (the mocker picks without logits)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()
