@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +34,6 @@ from typing import Any
 
 import httpx
 
-from benchmarks.deploy import Deployment, running
 from benchmarks.provenance import collect
 from dynamo_pd.model_store import default_model_path
 from dynamo_pd.runtime.ports import free_port
@@ -115,33 +115,44 @@ def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limi
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log_dir: Path) -> Iterator[str]:
-    port = free_port()
+def server(name: str, argv: list[str], port: int, log_dir: Path) -> Iterator[str]:
+    """A server's base URL once its /v1/models answers (a model is served); SIGINT stops it on exit."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "VLLM_RPC_BASE_PATH": str(log_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with (log_dir / "vllm.log").open("wb") as log:
-        server = subprocess.Popen([
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", model_dir.name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4", "--enforce-eager",
-            "--chat-template", str(TEMPLATE),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--uvicorn-log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+    with (log_dir / f"{name}.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while not _up(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"error: vLLM's server did not come up (log: {log_dir / 'vllm.log'})")
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"error: {name} did not come up (log: {log_dir / f'{name}.log'})")
             time.sleep(1)  # polling a child process's port: there is nothing to wait on
         yield url
     finally:
-        server.terminate()
+        proc.send_signal(signal.SIGINT)
         try:
-            server.wait(30)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            proc.kill()
+            proc.wait()
+
+
+def ours(model_dir: Path, log_dir: Path) -> contextlib.AbstractContextManager[str]:
+    port = free_port()
+    return server("dynamo-pd", [sys.executable, "-m", "dynamo_pd.serve", "--aggregated", "1", "--model",
+                                str(model_dir), "--port", str(port), "--discovery-port", str(free_port()),
+                                "--tool-call-parser", "hermes"], port, log_dir)
+
+
+def vllm(model_dir: Path, log_dir: Path) -> contextlib.AbstractContextManager[str]:
+    port = free_port()
+    return server("vllm", [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", model_dir.name, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4", "--enforce-eager",
+        "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--uvicorn-log-level", "warning"], port, log_dir)
 
 
 def _up(url: str) -> bool:
@@ -166,12 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     categories = args.categories.split(",")
     results: dict[str, dict[str, Any]] = {}
-    ours = Deployment("dynamo-pd", "native", aggregated=1, worker_args=("--model", str(model_dir),
-                                                                         "--tool-call-parser", "hermes"))
-    with running(ours, out / "logs" / "dynamo-pd") as url:
+    with ours(model_dir, out / "logs") as url:
         results["dynamo-pd"] = {c: score(url, model_dir.name, bfcl, c, args.limit, args.max_tokens)
                                 for c in categories}
-    with vllm_server(model_dir, out / "logs" / "vllm") as url:
+    with vllm(model_dir, out / "logs") as url:
         results["vllm"] = {c: score(url, model_dir.name, bfcl, c, args.limit, args.max_tokens)
                            for c in categories}
     provenance = collect("python -m benchmarks.bfcl", argv)
