@@ -83,6 +83,7 @@ class HttpEngine(Engine):
         s, stop = request.sampling, request.stop
         if s.logprobs is not None:
             raise InvalidRequestError("the http engine does not return logprobs", "logprobs")
+        self.check_guided(request)  # none: the server behind it may not enforce what it is sent
         if len(request.prompt_token_ids) + stop.max_tokens > self.max_model_len:
             raise PromptTooLongError(f"prompt ({len(request.prompt_token_ids)} tokens) plus max_tokens "
                                      f"({stop.max_tokens}) exceeds the server's context of {self.max_model_len}",

@@ -146,6 +146,7 @@ class LlamaCppEngine(Engine):
     # ---- requests
 
     def check_request(self, request: EngineRequest) -> None:
+        self.check_guided(request)
         request.check_fits(self.max_model_len, self._llm.n_vocab())
         prompt = request.prompt_token_ids
         if self.role is not EngineRole.AGGREGATED and len(prompt) > self.pool.num_blocks:

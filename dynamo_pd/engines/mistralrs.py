@@ -85,6 +85,7 @@ class MistralRsEngine(Engine):
     def _prompt_text(self, request: EngineRequest) -> str:
         """The prompt as mistral.rs must see it; raises InvalidRequestError when no text gives these ids."""
         s, stop, prompt = request.sampling, request.stop, request.prompt_token_ids
+        self.check_guided(request)
         for param, given in (("seed", s.seed is not None), ("logprobs", s.logprobs is not None),
                              ("stop_token_ids", bool(stop.stop_token_ids))):
             if given:

@@ -28,8 +28,9 @@ from sglang.srt.server_args import ServerArgs
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
 from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.guided import JSON_OBJECT, KINDS, choice_ebnf
 from dynamo_pd.model_store import resolve_model
-from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
+from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.ports import free_port
 
@@ -42,6 +43,7 @@ TRANSFER_BACKENDS = {
 
 class SglangEngine(Engine):
     publishes_kv_events = True  # SGLang's own ZMQ publisher; KV moves through its transfer backend
+    guided_kinds = KINDS  # in its sampling params (guided_sampling below), on its xgrammar backend
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -127,6 +129,7 @@ class SglangEngine(Engine):
             stop_token_ids=list(stop.stop_token_ids) or None,
             ignore_eos=stop.ignore_eos,
             sampling_seed=s.seed,
+            **guided_sampling(s.guided),
         )
         args: dict[str, Any] = dict(input_ids=list(request.prompt_token_ids), sampling_params=sampling, stream=True,
                                     rid=request.request_id, cache_salt=request.cache_salt)
@@ -170,6 +173,18 @@ def bootstrap_args(request: EngineRequest, role: EngineRole) -> dict[str, Any]:
                          f"prefill worker offers, sent to prefill and decode together; got {handoff!r}")
     return dict(bootstrap_host=handoff.params["bootstrap_host"], bootstrap_port=handoff.params["bootstrap_port"],
                 bootstrap_room=bootstrap_room(handoff.request_id))
+
+
+def guided_sampling(guided: Guided | None) -> dict[str, str]:
+    """SGLang's sampling params for `guided`: json_schema, regex, ebnf (a choice as its grammar) or
+    structural_tag."""
+    if guided is None:
+        return {}
+    if guided.kind == "json_object":
+        return {"json_schema": JSON_OBJECT}
+    if guided.kind == "choice":
+        return {"ebnf": choice_ebnf(json.loads(guided.spec))}
+    return {{"grammar": "ebnf"}.get(guided.kind, guided.kind): guided.spec}
 
 
 class StreamReader:

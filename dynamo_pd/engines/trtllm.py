@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tensorrt_llm.llmapi import LLM, CacheTransceiverConfig, DisaggregatedParams, KvCacheConfig, SamplingParams
+from tensorrt_llm.llmapi import (
+    LLM, CacheTransceiverConfig, DisaggregatedParams, GuidedDecodingParams, KvCacheConfig, SamplingParams,
+)
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole
 from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.guided import KINDS, choice_ebnf
 from dynamo_pd.model_store import resolve_model
-from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
+from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.events import BlockRemoved, BlockStored, KVEvent
@@ -39,6 +43,7 @@ _EVENTS_POLL_S = 0.5  # get_kv_cache_events_async ends after this long without a
 
 
 class TrtllmEngine(Engine):
+    guided_kinds = KINDS  # as its GuidedDecodingParams (guided_decoding below), on llm_args' xgrammar backend
     def __init__(self, config: EngineConfig):
         self.config = config
         self.role = config.role
@@ -61,6 +66,7 @@ class TrtllmEngine(Engine):
             max_num_tokens=cfg.max_num_batched_tokens,
             max_seq_len=cfg.max_model_len,
             kv_cache_config=KvCacheConfig(**kv_cache),
+            guided_decoding_backend="xgrammar",  # without a backend, guided_decoding params are not enforced
         )
         if cfg.role is not EngineRole.AGGREGATED:
             backend = str(extra.pop("cache_transceiver_backend", "NIXL")).upper()
@@ -97,6 +103,7 @@ class TrtllmEngine(Engine):
             max_tokens=stop.max_tokens, **sampling, seed=s.seed, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, logprobs=s.logprobs, stop=list(stop.stop) or None,
             stop_token_ids=list(stop.stop_token_ids) or None, ignore_eos=stop.ignore_eos,
+            guided_decoding=guided_decoding(s.guided),
         )
 
     def disaggregated_params(self, request: EngineRequest) -> DisaggregatedParams | None:
@@ -154,6 +161,19 @@ def kv_events(event: dict[str, Any], block_size: int) -> list[KVEvent]:
     if data["type"] == "removed":
         return [BlockRemoved(block_hashes=list(data["block_hashes"]))]
     return []
+
+
+def guided_decoding(guided: Guided | None) -> GuidedDecodingParams | None:
+    """TensorRT-LLM's form of `guided` (a choice as its EBNF grammar)."""
+    if guided is None:
+        return None
+    if guided.kind == "json_schema":
+        return GuidedDecodingParams(json=guided.spec)
+    if guided.kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    if guided.kind == "choice":
+        return GuidedDecodingParams(grammar=choice_ebnf(json.loads(guided.spec)))
+    return GuidedDecodingParams(**{guided.kind: guided.spec})  # regex, grammar, structural_tag
 
 
 class OutputReader:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -26,19 +27,21 @@ from typing import Any
 
 from vllm import AsyncEngineArgs, SamplingParams
 from vllm.config import KVEventsConfig, KVTransferConfig
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
+from dynamo_pd.guided import KINDS
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.handoff import EngineHandoff
-from dynamo_pd.protocol import EngineOutput, EngineRequest, TokenLogprob, Usage
+from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 
 
 class VllmEngine(Engine):
     publishes_kv_events = True  # vLLM's own ZMQ publisher; KV moves through its KV connector (EngineHandoff)
+    guided_kinds = KINDS  # as its StructuredOutputsParams (structured_outputs below)
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -136,6 +139,7 @@ class VllmEngine(Engine):
             ignore_eos=stop.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": transfer} if transfer else None,
+            structured_outputs=structured_outputs(s.guided),
         )
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
@@ -217,6 +221,21 @@ def _side_channel_port(host: str) -> int:
 
 def _finish_reason(reason: str | None) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", "error")
+
+
+def structured_outputs(guided: Guided | None) -> StructuredOutputsParams | None:
+    """vLLM's form of `guided`. JSON without free whitespace, as the native engine writes it (a small model
+    given free whitespace can fill max_tokens with it)."""
+    if guided is None:
+        return None
+    kind, spec = guided.kind, guided.spec
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=spec, disable_any_whitespace=True)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(spec))
+    return StructuredOutputsParams(**{kind: spec})  # regex, grammar, structural_tag: vLLM's own names
 
 
 def _logprobs(completion: Any) -> list[TokenLogprob]:

@@ -57,6 +57,15 @@ class DisaggregatedParams:
 
 
 @dataclasses.dataclass(kw_only=True)
+class GuidedDecodingParams:  # tensorrt_llm/sampling_params.py: one of its fields guides
+    json: Optional[str] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[str] = None
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrtSamplingParams:  # the fields this engine may set, as the real dataclass names them
     end_id: Optional[int] = None
     max_tokens: int = 32
@@ -71,6 +80,7 @@ class TrtSamplingParams:  # the fields this engine may set, as the real dataclas
     frequency_penalty: Optional[float] = None
     logprobs: Optional[int] = None
     ignore_eos: bool = False
+    guided_decoding: Optional[GuidedDecodingParams] = None
 
 
 class KvCacheConfig(pydantic.BaseModel, extra="forbid"):
@@ -180,6 +190,7 @@ def trtllm(monkeypatch):
     package, llmapi = types.ModuleType("tensorrt_llm"), types.ModuleType("tensorrt_llm.llmapi")
     llmapi.LLM, llmapi.SamplingParams, llmapi.DisaggregatedParams = LLM, TrtSamplingParams, DisaggregatedParams
     llmapi.KvCacheConfig, llmapi.CacheTransceiverConfig = KvCacheConfig, CacheTransceiverConfig
+    llmapi.GuidedDecodingParams = GuidedDecodingParams
     package.llmapi = llmapi
     monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
     monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
