@@ -1,18 +1,6 @@
 """The KV hand-off: how a prompt's KV gets from the prefill worker to the decode worker. One place.
 
-Kinds (a tagged union, `Handoff`; each carries only its fields):
-  HeldKV         engine -> its own worker only: a PREFILL engine keeps the prompt's KV in these blocks
-                 until `release_handoff`; the worker's HandoffManager turns it into a pull or a push.
-  PullHandoff    the prefill's first output carries it: the prefill's KV transfer agent holds the blocks
-                 (`descriptor` says where) and the decode worker reads the ones it lacks (native, mocker;
-                 vLLM / TensorRT-LLM / Dynamo style).
-  PushHandoff    the frontend sends it to prefill and decode together, under the request id (the "room"):
-                 the decode worker reserves blocks and tells the prefill's agent at `peer_endpoint`; the
-                 prefill writes its KV and first token into them (SGLang style; native, mocker).
-  EngineHandoff  the engine moves KV itself; `params` is its own state: vLLM's kv_transfer_params,
-                 returned by prefill (pull-like); SGLang's bootstrap host/port (the room is the request
-                 id), registered and sent to both sides at once (push-like); TensorRT-LLM's opaque
-                 DisaggregatedParams returned by prefill (pull-like).
+The kinds (`HeldKV`, `PullHandoff`, `PushHandoff`, `EngineHandoff`) are dynamo_pd.handoff_kinds's.
 
 How the frontend dispatches is what the prefill worker registered (`WorkerInfo.handoff_offer`), never an
 engine name: no offer -> send the decode request after the prefill's first output, with the hand-off that
@@ -32,86 +20,21 @@ import time
 from collections.abc import AsyncIterator
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_pd.handoff_kinds import EngineHandoff, Handoff, HeldKV, PullHandoff, PushHandoff, TransferStats
+from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
 from kv_transfer.config import TransferConfig
-from kv_transfer.protocol import ReleaseReason, TransferDescriptor, TransferError
+from kv_transfer.protocol import ReleaseReason, TransferError
 from kv_transfer.side_channel import Guard, Plain
 
-if TYPE_CHECKING:  # protocol.py carries these kinds in its structs
-    from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
+if TYPE_CHECKING:  # imported in start(): see there
     from kv_transfer.agent import KVTransferAgent
 
 log = logging.getLogger("dynamo_pd.handoff")
 _encoder = msgspec.msgpack.Encoder()
-
-
-class HeldKV(msgspec.Struct, tag="held", kw_only=True):
-    """PREFILL engine -> its worker: the prompt's KV sits in these engine blocks until release_handoff."""
-
-    first_token_from_decode: ClassVar[bool] = False
-
-    request_id: str
-    block_ids: list[int]  # in prompt order
-    num_tokens: int  # prompt tokens whose KV the blocks hold
-
-
-class PullHandoff(msgspec.Struct, tag="pull", kw_only=True):
-    """The prefill's agent holds the blocks; the decode worker reads them."""
-
-    first_token_from_decode: ClassVar[bool] = False  # decode echoes the prefill's token (request.first_token_id)
-
-    descriptor: TransferDescriptor  # request id, blocks, token count, layout and lease of the hold
-    worker_id: str  # the prefill worker
-
-    @property
-    def request_id(self) -> str:
-        return self.descriptor.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return self.descriptor.num_tokens
-
-
-class PushHandoff(msgspec.Struct, tag="push", kw_only=True):
-    """The decode worker reserves blocks under `request_id` and the prefill writes into them."""
-
-    first_token_from_decode: ClassVar[bool] = False  # the prefill's token arrives with the KV; decode echoes it
-
-    worker_id: str  # the prefill worker
-    peer_endpoint: str  # its KV agent's side channel
-    request_id: str = ""  # the room both sides key on; "" in a registered offer
-    num_tokens: int = 0
-    wait_s: float = 0.0  # how long the prefill may take before it writes (the frontend's bound on it)
-
-    def for_request(self, request_id: str, num_tokens: int, wait_s: float) -> PushHandoff:
-        return msgspec.structs.replace(self, request_id=request_id, num_tokens=num_tokens, wait_s=wait_s)
-
-
-class EngineHandoff(msgspec.Struct, tag="engine", kw_only=True):
-    """The engine moves KV itself; the worker and frontend carry `params` without reading them."""
-
-    params: dict[str, Any] = {}
-    worker_id: str = ""  # the prefill worker
-    request_id: str = ""  # set per request when sent as a registered offer
-    wait_s: float = 0.0  # offer: how long the decode side may wait for the prefill's KV
-    first_token_from_decode: bool = True  # vLLM samples the first token again from the pulled KV
-
-    def for_request(self, request_id: str, num_tokens: int, wait_s: float) -> EngineHandoff:
-        return msgspec.structs.replace(self, request_id=request_id, wait_s=wait_s)
-
-
-Handoff = HeldKV | PullHandoff | PushHandoff | EngineHandoff
-HandoffOffer = PushHandoff | EngineHandoff  # what a prefill worker may register: sent to both sides at once
-
-
-class TransferStats(msgspec.Struct, array_like=True):
-    """DECODE role, first output: the KV this request moved and how long it took."""
-
-    nbytes: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -184,7 +107,7 @@ class HandoffManager:
         """After the engine started: an agent over its KV cache when the engine's KV is ours to move."""
         self._engine = engine
         if engine.kv_handoffs:
-            # here, not at the top: the frontend imports this module for the hand-off types, without torch
+            # here, not at the top: the frontend imports this module (together_timeouts) without torch
             from kv_transfer.agent import KVTransferAgent
             from kv_transfer.memory import KVMemory
 

@@ -7,29 +7,15 @@ from typing import Literal
 
 import msgspec
 
-from dynamo_pd.handoff import Handoff, HandoffOffer, TransferStats
+from dynamo_pd.handoff_kinds import Handoff, HandoffOffer, TransferStats
+from dynamo_pd.runtime.errors import InvalidRequestError, PromptTooLongError
 from router.worker import LoadMetrics, Role
 
-__all__ = ["LoadMetrics", "Role"]  # defined in router/, shared by every process through here
+# Defined below this module (router/; the request plane, which rebuilds these errors on the caller's
+# side), shared by every process through here.
+__all__ = ["InvalidRequestError", "LoadMetrics", "PromptTooLongError", "Role"]
 
 FinishReason = Literal["stop", "length", "abort", "error", "prefill_done"]
-
-
-class InvalidRequestError(ValueError):
-    """Bad client input; `param` names the offending field (HTTP 400, never retried). It crosses the
-    request plane as itself (rpc_client rebuilds it)."""
-
-    code: str | None = None  # the OpenAI error code
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class PromptTooLongError(InvalidRequestError):
-    """Prompt (plus requested output) does not fit the model's context or the KV cache (HTTP 400)."""
-
-    code = "context_length_exceeded"
 
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]

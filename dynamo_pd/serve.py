@@ -169,6 +169,7 @@ def failure_line(name: str, code: int | None, log: Path) -> str:
 async def _wait_ready(discovery_url: str, namespace: str, expected: int, children: list[subprocess.Popen],
                       log_dir: Path) -> list:
     """The registered workers' WorkerInfo, once `expected` have registered."""
+    from dynamo_pd.protocol import WorkerInfo
     from dynamo_pd.runtime import connect_discovery
 
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -182,7 +183,7 @@ async def _wait_ready(discovery_url: str, namespace: str, expected: int, childre
                     raise SystemExit(failure_line(name, child.returncode, log_dir / f"{name}.log"))
             try:
                 discovery = discovery or await connect_discovery(discovery_url, namespace=namespace)
-                infos = await discovery.list()
+                infos = await discovery.list(WorkerInfo)
             except Exception:  # noqa: BLE001 - the frontend hosting discovery may still be starting
                 infos = []
             registered = len(infos)

@@ -240,7 +240,7 @@ async def _connect_discovery(url: str, namespace: str, security: Security, patie
         try:
             discovery = await connect_discovery(url, namespace=namespace, security=security)
             try:  # the embedded store connects lazily: one round trip shows the frontend is listening
-                await discovery.list()
+                await discovery.list(WorkerInfo)
             except BaseException:
                 await discovery.close()
                 raise

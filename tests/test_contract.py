@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from dynamo_pd.engines.base import EngineUnavailableError, engine_names, load_engine_class
-from dynamo_pd.handoff import PushHandoff
+from dynamo_pd.handoff_kinds import PushHandoff
 from dynamo_pd.model_store import ModelNotFoundError, resolve_model
 from dynamo_pd.protocol import (
     EngineOutput,

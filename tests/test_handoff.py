@@ -11,16 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from dynamo_pd.handoff import (
-    EngineHandoff,
-    HandoffManager,
-    HandoffTimes,
-    HeldKV,
-    PullHandoff,
-    PushHandoff,
-    TransferStats,
-    together_timeouts,
-)
+from dynamo_pd.handoff import HandoffManager, HandoffTimes, together_timeouts
+from dynamo_pd.handoff_kinds import EngineHandoff, HeldKV, PullHandoff, PushHandoff, TransferStats
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Role, WorkerInfo
 
 BLOCK, BLOCKS = 4, 16

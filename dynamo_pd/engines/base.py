@@ -6,7 +6,7 @@
         ...
 
 Roles (router.worker.Role, the one role enum): AGGREGATED runs prompt and decode; PREFILL returns after
-the first token with a hand-off (dynamo_pd.handoff: `HeldKV` when it keeps the prompt's blocks until
+the first token with a hand-off (dynamo_pd.handoff_kinds: `HeldKV` when it keeps the prompt's blocks until
 `release_handoff` or its lease runs out, `EngineHandoff` when it moves KV itself); DECODE admits a request
 whose prompt KV arrives through the engine's `kv_loader` (or its own connector).
 """
@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_pd.handoff import Handoff, HandoffOffer, HandoffTimes
+from dynamo_pd.handoff import HandoffTimes
+from dynamo_pd.handoff_kinds import Handoff, HandoffOffer
 from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError
 from dynamo_pd.runtime import RequestContext
 from router.events import KVEvent

@@ -35,7 +35,7 @@ from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.sequence import Sequence
 from dynamo_pd.engines.token_events import TokenEvents
-from dynamo_pd.handoff import HeldKV
+from dynamo_pd.handoff_kinds import HeldKV
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, default_gguf_path
 from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import RequestContext

@@ -27,7 +27,7 @@ import sglang
 from sglang.srt.server_args import ServerArgs
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
-from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.guided import JSON_OBJECT, KINDS, choice_ebnf
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage

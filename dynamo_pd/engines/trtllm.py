@@ -28,7 +28,7 @@ from tensorrt_llm.llmapi import (
 )
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole
-from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.guided import KINDS, choice_ebnf
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage

@@ -33,7 +33,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
 from dynamo_pd.guided import KINDS
 from dynamo_pd.model_store import resolve_model
-from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
 from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT

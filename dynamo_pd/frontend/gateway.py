@@ -85,9 +85,10 @@ class ModelView:
         for queue in self._watchers:
             queue.put_nowait((kind, info))
 
-    async def watch(self, seen: Mapping[str, WorkerInfo] | None = None) -> AsyncIterator[tuple[str, WorkerInfo]]:
-        """Like Discovery.watch: the visible workers, diffed against `seen` (those the caller holds), then
-        every change."""
+    async def watch(self, struct: type[WorkerInfo], seen: Mapping[str, WorkerInfo] | None = None
+                    ) -> AsyncIterator[tuple[str, WorkerInfo]]:
+        """Like Discovery.watch(struct, seen): the visible workers (WorkerInfo already, the `struct` its
+        callers name), diffed against `seen` (those the caller holds), then every change."""
         queue: asyncio.Queue = asyncio.Queue()
         visible = {info.worker_id: info for info in self.visible()}
         for worker_id, info in (seen or {}).items():
@@ -212,7 +213,7 @@ class Gateway:
     async def _watch(self) -> None:
         while True:  # an outage long enough to end a watch starts a new one
             try:
-                async for kind, info in self.discovery.watch():
+                async for kind, info in self.discovery.watch(WorkerInfo):
                     self._route_event(kind, info)
             except DiscoveryUnavailableError as exc:
                 log.error("discovery unavailable (%s); retrying", exc)

@@ -34,7 +34,7 @@ class Membership:
     async def run(self) -> None:
         while True:
             try:
-                async for kind, info in self._discovery.watch(seen=self.workers):
+                async for kind, info in self._discovery.watch(WorkerInfo, seen=self.workers):
                     await self._apply(kind, info)
             except DiscoveryUnavailableError as exc:
                 self.outages += 1

@@ -4,7 +4,8 @@ Discovery (leases; a dead worker is gone within ~TTL = 3 s):
     server = DiscoveryServer(); await server.start()         # embedded default, hosted in-process
     discovery = await connect_discovery(server.url)          # or "etcd://127.0.0.1:2379"
     reg = await discovery.register(worker_info); await reg.close()
-    await discovery.list(); async for kind, info in discovery.watch(): ...   # "added" | "removed"
+    await discovery.list(WorkerInfo)                         # what workers register: the caller's struct
+    async for kind, info in discovery.watch(WorkerInfo): ...  # "added" | "removed"
 
 Event plane (at-most-once, prefix subscriptions on dot-separated subjects; one per process, so one NATS
 connection carries its load reports, router-replica updates and KV events):

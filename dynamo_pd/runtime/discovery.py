@@ -3,8 +3,8 @@
     discovery = await connect_discovery("tcp://127.0.0.1:7000")   # embedded server (see discovery_server)
     discovery = await connect_discovery("etcd://127.0.0.1:2379")  # etcd, through aetcd
     reg = await discovery.register(worker_info)   # keeps its lease alive in the background
-    await discovery.list()                        # -> list[WorkerInfo]
-    async for kind, info in discovery.watch():    # snapshot as "added", then "added" / "removed"
+    await discovery.list(WorkerInfo)              # -> list[WorkerInfo]
+    async for kind, info in discovery.watch(WorkerInfo):  # snapshot as "added", then "added" / "removed"
         ...
     await reg.close()                             # revokes: the worker is "removed" at once
     await discovery.close()
@@ -13,6 +13,8 @@ A registration's lease lives `ttl_s` (default 3 s) and is renewed every `keepali
 process that dies without revoking disappears when the lease runs out. If the lease is lost
 anyway (the discovery server restarted, the process stalled past the TTL), the registration
 grants a new one and puts its value again. "added" means added or changed: consumers upsert.
+What a worker registers is its user's msgspec struct with a `worker_id` (dynamo_pd.protocol.WorkerInfo):
+the runtime encodes it, and decodes it as the struct type the reader names.
 
 Watches survive short outages: on reconnect the new snapshot is diffed against what the
 watcher had seen, so removals during the outage still arrive as "removed". A backend that stays
@@ -31,11 +33,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
-from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime.errors import DiscoveryUnavailableError
 from dynamo_pd.runtime.security import Security, current
 
@@ -43,6 +44,13 @@ log = logging.getLogger(__name__)
 
 WatchKind = Literal["added", "removed"]
 WORKERS_PREFIX = "workers/"
+Info = TypeVar("Info", bound=msgspec.Struct)  # what workers register, as its reader names it
+
+
+class WorkerStruct(Protocol):
+    """What `register` takes: a msgspec struct that names its worker."""
+
+    worker_id: str
 
 
 class Snapshot(NamedTuple):
@@ -150,22 +158,24 @@ class Discovery:
 
     # Workers.
 
-    async def register(self, info: WorkerInfo) -> Registration:
+    async def register(self, info: WorkerStruct) -> Registration:
         if not info.worker_id or "/" in info.worker_id:
             raise ValueError(f"worker_id must be non-empty and without '/', got {info.worker_id!r}")
         return await self.advertise(WORKERS_PREFIX + info.worker_id, msgspec.msgpack.encode(info))
 
-    async def list(self) -> list[WorkerInfo]:
+    async def list(self, struct: type[Info]) -> list[Info]:
+        """Every registered worker, decoded as `struct`."""
         items = await self.get_prefix(WORKERS_PREFIX)
-        return [info for key, value in sorted(items.items()) if (info := _decode_worker(key, value))]
+        return [info for key, value in sorted(items.items()) if (info := _decode_worker(key, value, struct))]
 
-    async def watch(self, seen: Mapping[str, WorkerInfo] | None = None
-                    ) -> AsyncIterator[tuple[WatchKind, WorkerInfo]]:
-        """`seen`: the workers (by id) the caller already holds; the first snapshot is diffed against them."""
+    async def watch(self, struct: type[Info], seen: Mapping[str, Info] | None = None
+                    ) -> AsyncIterator[tuple[WatchKind, Info]]:
+        """Workers decoded as `struct`. `seen`: the workers (by id) the caller already holds; the first
+        snapshot is diffed against them."""
         known = {WORKERS_PREFIX + worker_id: msgspec.msgpack.encode(info) for worker_id, info in (seen or {}).items()}
         async with contextlib.aclosing(self.watch_prefix(WORKERS_PREFIX, known)) as changes:
             async for kind, key, value in changes:
-                if info := _decode_worker(key, value):
+                if info := _decode_worker(key, value, struct):
                     yield kind, info
 
     # Any leased key.
@@ -237,9 +247,9 @@ def _apply(seen: dict[str, bytes], item: Snapshot | Change) -> list[tuple[WatchK
     return []
 
 
-def _decode_worker(key: str, value: bytes) -> WorkerInfo | None:
+def _decode_worker(key: str, value: bytes, struct: type[Info]) -> Info | None:
     try:
-        return msgspec.msgpack.decode(value, type=WorkerInfo)
+        return msgspec.msgpack.decode(value, type=struct)
     except msgspec.DecodeError as exc:
         log.warning("skipping undecodable worker entry %s: %s", key, exc)
         return None

@@ -1,11 +1,28 @@
 """Typed errors of the runtime: discovery, event plane and request plane.
 
 A worker's handler error crosses the request plane with its kind: the client's fault
-(`protocol.InvalidRequestError`, from validation) arrives as that error again, never retried;
+(`InvalidRequestError`, from validation) arrives as that error again, never retried;
 anything else is the server's fault and arrives as `RemoteError`.
 """
 
 from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """Bad client input; `param` names the offending field (HTTP 400, never retried). It crosses the
+    request plane as itself (rpc_client rebuilds it); dynamo_pd.protocol shares it with every process."""
+
+    code: str | None = None  # the OpenAI error code
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt (plus requested output) does not fit the model's context or the KV cache (HTTP 400)."""
+
+    code = "context_length_exceeded"
 
 
 class RuntimePlaneError(RuntimeError):

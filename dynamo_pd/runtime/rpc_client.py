@@ -7,7 +7,7 @@
     await client.close()
 
 Every way out is bounded and typed:
-  - the handler refused the request               -> protocol.InvalidRequestError (the client's fault)
+  - the handler refused the request               -> InvalidRequestError (the client's fault)
   - the worker is draining (refused a new stream, or its drain timeout ended this one) -> WorkerDrainingError
   - the handler raised anything else              -> RemoteError(error_type, message)
   - the connection was refused, none within `connect_timeout_s`, or it dropped (the worker died: ZMQ
@@ -34,13 +34,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dynamo_pd.protocol import InvalidRequestError, PromptTooLongError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
 from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
     FirstResponseTimeoutError,
+    InvalidRequestError,
+    PromptTooLongError,
     RemoteError,
     RequestCancelledError,
     StreamStalledError,
@@ -129,7 +130,7 @@ class _Connection:
                 queue.put_nowait(frames[1] if len(frames) > 1 else b"")
             elif isinstance(msg, wire.End):
                 queue.put_nowait(_END)
-            elif msg.client_error:  # rebuilt as the protocol error it was, so no caller retries it
+            elif msg.client_error:  # rebuilt as the error it was, so no caller retries it
                 error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
                 queue.put_nowait(error(msg.message, msg.param))
             elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere

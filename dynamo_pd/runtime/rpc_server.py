@@ -34,10 +34,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from dynamo_pd.protocol import InvalidRequestError
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
-from dynamo_pd.runtime.errors import WorkerDrainingError
+from dynamo_pd.runtime.errors import InvalidRequestError, WorkerDrainingError
 from dynamo_pd.runtime.ports import advertised
 from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait

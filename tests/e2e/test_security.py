@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import RequestContext, RpcClient, WorkerGoneError, connect_discovery
 from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.runtime.security import SECRET_ENV, Security
@@ -44,7 +45,7 @@ def complete(client) -> list[str]:
 
 async def refused_without_the_secret(discovery_url: str) -> None:
     async with await connect_discovery(discovery_url, security=Security(SECRET)) as discovery:
-        workers = await discovery.list()
+        workers = await discovery.list(WorkerInfo)
     assert workers, "no worker registered"
     client = RpcClient(connect_timeout_s=3.0, security=Security())
     try:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole
-from dynamo_pd.handoff import HeldKV, PullHandoff, PushHandoff
+from dynamo_pd.handoff_kinds import HeldKV, PullHandoff, PushHandoff
 from dynamo_pd.model_store import ModelNotFoundError
 from dynamo_pd.protocol import EngineRequest, InvalidRequestError, PromptTooLongError, SamplingParams, StopConditions
 from dynamo_pd.runtime import RequestContext

@@ -14,7 +14,7 @@ from dynamo_pd.engines.native.core import EngineCore
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.sequence import Sequence
-from dynamo_pd.handoff import PushHandoff
+from dynamo_pd.handoff_kinds import PushHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, SamplingParams, StopConditions
 
 PROMPTS = ["List three colors:", "Le café et la crème brûlée, en français:", "東京は", "Emoji story: 🍕🍕"]

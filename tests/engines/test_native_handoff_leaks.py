@@ -17,7 +17,8 @@ import pytest
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole
 from dynamo_pd.engines.native.engine import NativeEngine
-from dynamo_pd.handoff import HandoffManager, HandoffTimes, PushHandoff
+from dynamo_pd.handoff import HandoffManager, HandoffTimes
+from dynamo_pd.handoff_kinds import PushHandoff
 from dynamo_pd.protocol import EngineRequest, SamplingParams, StopConditions
 from dynamo_pd.runtime import RequestContext
 

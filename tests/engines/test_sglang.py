@@ -35,7 +35,7 @@ from sglang.srt.sampling.sampling_params import TOP_K_ALL, SamplingParams as Sgl
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, EngineUnavailableError  # noqa: E402
 from dynamo_pd.engines.sglang import SglangEngine, StreamReader, bootstrap_room  # noqa: E402
-from dynamo_pd.handoff import EngineHandoff  # noqa: E402
+from dynamo_pd.handoff_kinds import EngineHandoff  # noqa: E402
 from dynamo_pd.protocol import EngineRequest, SamplingParams, StopConditions  # noqa: E402
 from dynamo_pd.runtime import RequestContext  # noqa: E402
 from dynamo_pd.runtime.kv_events import ZmqBatchSource  # noqa: E402

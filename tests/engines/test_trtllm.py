@@ -27,7 +27,7 @@ import pydantic
 import pytest
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole
-from dynamo_pd.handoff import EngineHandoff
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.protocol import EngineOutput, EngineRequest, SamplingParams, StopConditions
 from dynamo_pd.runtime import RequestContext
 from router.events import BlockRemoved, BlockStored, decode_batch, encode_batch

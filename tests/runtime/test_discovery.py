@@ -39,16 +39,16 @@ async def test_register_list_watch_and_revoke(discovery_url):
     async with await connect_discovery(discovery_url, namespace=ns) as watcher, \
             await connect_discovery(discovery_url, namespace=ns) as registrar:
         first = await registrar.register(worker("w1"))
-        watch = watcher.watch()
+        watch = watcher.watch(WorkerInfo)
         assert await next_change(watch) == ("added", worker("w1"))
 
         second = await registrar.register(worker("w2", "decode"))
         assert await next_change(watch) == ("added", worker("w2", "decode"))
-        assert [w.worker_id for w in await watcher.list()] == ["w1", "w2"]
+        assert [w.worker_id for w in await watcher.list(WorkerInfo)] == ["w1", "w2"]
 
         await first.close()
         assert await next_change(watch) == ("removed", worker("w1"))
-        assert [w.worker_id for w in await watcher.list()] == ["w2"]
+        assert [w.worker_id for w in await watcher.list(WorkerInfo)] == ["w2"]
         await second.close()
         assert await next_change(watch) == ("removed", worker("w2", "decode"))
         await watch.aclose()
@@ -70,7 +70,7 @@ async def test_killed_worker_leaves_within_ttl(discovery_url, procs, how):
         proc.send_signal(how)  # no revoke, no keep-alive
         kind, key, _ = await next_change(watch, timeout_s=discovery.ttl_s + 5)
         assert (kind, key) == ("removed", "workers/" + worker_id)
-        assert worker_id not in [w.worker_id for w in await discovery.list()]
+        assert worker_id not in [w.worker_id for w in await discovery.list(WorkerInfo)]
         await watch.aclose()
 
 
@@ -79,14 +79,14 @@ async def test_keepalive_holds_registration_past_ttl(discovery_url):
     async with await connect_discovery(discovery_url, namespace=ns, ttl_s=2.0, keepalive_s=0.5) as discovery:
         await discovery.register(worker("w1"))
         await asyncio.sleep(3.5)
-        assert [w.worker_id for w in await discovery.list()] == ["w1"]
+        assert [w.worker_id for w in await discovery.list(WorkerInfo)] == ["w1"]
 
 
 async def test_lost_lease_is_granted_again(discovery_url):
     ns = "t" + uuid.uuid4().hex[:8]
     async with await connect_discovery(discovery_url, namespace=ns, keepalive_s=0.3) as discovery:
         reg = await discovery.register(worker("w1"))
-        watch = discovery.watch()
+        watch = discovery.watch(WorkerInfo)
         assert await next_change(watch) == ("added", worker("w1"))
         await discovery._store.revoke(reg._lease_id)  # as if the lease had run out during a stall
         assert await next_change(watch) == ("removed", worker("w1"))
@@ -101,7 +101,7 @@ async def test_watch_resyncs_after_embedded_server_restart():
     async with await connect_discovery(url, **fast) as registrar, \
             await connect_discovery(url, **fast) as watcher:
         await registrar.register(worker("w1"))
-        watch = watcher.watch()
+        watch = watcher.watch(WorkerInfo)
         assert await next_change(watch) == ("added", worker("w1"))
         await server.close()
         # Same address, empty state: the registration re-registers, the watch resyncs.
@@ -122,7 +122,7 @@ async def test_watch_resyncs_after_embedded_server_restart():
                 if kind == "added":
                     seen.add(info.worker_id)
             async def w1_back():
-                while {w.worker_id for w in await watcher.list()} != {"w1", "w2"}:
+                while {w.worker_id for w in await watcher.list(WorkerInfo)} != {"w1", "w2"}:
                     await asyncio.sleep(0.2)
             await asyncio.wait_for(w1_back(), 10)
         finally:
@@ -151,7 +151,7 @@ async def test_registering_outlasts_a_backend_slow_to_answer():
     async with DiscoveryServer(f"tcp://127.0.0.1:{port}") as server:
         registration = await asyncio.wait_for(registering, 10)
         async with await connect_discovery(server.url) as observer:
-            assert [w.worker_id for w in await observer.list()] == ["w1"]
+            assert [w.worker_id for w in await observer.list(WorkerInfo)] == ["w1"]
         await registration.close()
     await discovery.close()
 

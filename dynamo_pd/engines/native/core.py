@@ -25,7 +25,7 @@ from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
 from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.model_store import resolve_model
-from dynamo_pd.handoff import EngineHandoff, HeldKV, PushHandoff
+from dynamo_pd.handoff_kinds import EngineHandoff, HeldKV, PushHandoff
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
