@@ -4,6 +4,8 @@ Each is a whole worker (dynamo_pd.worker: its own RPC server, KV event publisher
 load reports and registration) and all share one event loop: mocker engines compute nothing, so a
 16-worker deployment runs on one core. Every other flag is a worker's (`--discovery`, `--namespace`,
 `--kv-transport`, engine flags such as `--speedup`); `--worker-id NAME` names them NAME-0, NAME-1, ...
+`--engine` (default mocker) may name any engine whose registry entry shares a process
+(engines.base.EngineEntry.shares_process); `python -m dynamo_pd.serve` starts those here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import dataclasses
 import logging
 import signal
 
-from dynamo_pd.engines.base import EngineRole
+from dynamo_pd.engines.base import EngineRole, engine_entry, engine_names
 from dynamo_pd.worker import Worker, WorkerConfig, parse_args, start_endpoint
 
 
@@ -28,8 +30,10 @@ def parse(argv: list[str] | None = None) -> list[WorkerConfig]:
     if args.workers < 1:
         raise SystemExit(f"error: --workers must be >= 1, got {args.workers}")
     config = parse_args(EngineRole(args.role), ["--engine", "mocker", *rest])
-    if config.engine != "mocker":
-        raise SystemExit(f"error: dynamo_pd.mocker runs mocker workers, not --engine {config.engine}")
+    if not engine_entry(config.engine).shares_process:
+        shared = ", ".join(name for name in engine_names() if engine_entry(name).shares_process)
+        raise SystemExit(f"error: dynamo_pd.mocker runs workers that share one process ({shared}), "
+                         f"not --engine {config.engine}")
     return [dataclasses.replace(
         config, worker_id=f"{config.worker_id}-{i}" if config.worker_id else "",
         engine_config=dataclasses.replace(config.engine_config, extra=dict(config.engine_config.extra)),
@@ -49,7 +53,7 @@ async def serve(configs: list[WorkerConfig]) -> None:
         if failed is not None:
             raise failed
         role = configs[0].engine_config.role.value
-        print(f"dynamo-pd {len(workers)} mocker {role} workers ready "
+        print(f"dynamo-pd {len(workers)} {configs[0].engine} {role} workers ready "
               f"(metrics {endpoint.url}/metrics)", flush=True)
         await stop.wait()
     finally:

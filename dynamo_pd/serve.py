@@ -32,7 +32,7 @@ from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_frontend_args, a
                            parse_passthrough)
 from dynamo_pd.credentials import (API_KEY_ENV, add_api_key_args, add_security_args, api_key_from_args,
                                    security_argv, security_from_args)
-from dynamo_pd.engines.base import EngineRole
+from dynamo_pd.engines.base import EngineRole, engine_entry
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
 from dynamo_pd.runtime.security import configure
 
@@ -107,7 +107,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[li
     if args.kv_cache_memory_fraction:  # the workers start together and see the same free memory
         share += ["--kv-cache-memory-fraction", f"{args.kv_cache_memory_fraction / count:.4g}"]
     common = ["--discovery", discovery, "--kv-transport", args.kv_transport, "--kv-handoff", args.kv_handoff, *plane]
-    if args.engine == "mocker":  # mockers compute nothing: each role's workers share one process
+    if engine_entry(args.engine).shares_process:  # its workers compute nothing: each role's share one process
         workers = [[sys.executable, "-m", "dynamo_pd.mocker", "--workers", str(n), "--role", role, "--worker-id", role,
                     *common, *engine_argv] for role, n in roles if n]
     else:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(commands) - 1))))
     pins: list[list[int] | None] = [None] * len(commands)
-    if args.pin_cores and args.engine != "mocker":
+    if args.pin_cores and engine_entry(args.engine).pinned:
         pins[1:] = core_sets(len(commands) - 1, sorted(os.sched_getaffinity(0)))
     children: list[subprocess.Popen] = []
 

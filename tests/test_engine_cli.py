@@ -29,7 +29,8 @@ def engine_package(module_name: str) -> str:
     raise AssertionError(f"{module_name} imports no third-party package")
 
 
-NEEDS_PACKAGE = sorted((name, target.split(":")[0]) for name, (target, _, install) in _REGISTRY.items() if install)
+NEEDS_PACKAGE = sorted((name, entry.target.split(":")[0])
+                       for name, entry in _REGISTRY.items() if entry.install)
 
 
 def run_worker(role: str, engine: str, hide: str) -> subprocess.CompletedProcess:
@@ -58,7 +59,7 @@ def assert_one_line(result: subprocess.CompletedProcess, engine: str, package: s
 def test_every_engine_that_needs_a_package_is_covered():
     assert {"vllm", "sglang", "trtllm"} <= {name for name, _ in NEEDS_PACKAGE}
     # the package the registry checks for without importing is the one the engine's module imports
-    assert all(_REGISTRY[name][1] == engine_package(module) for name, module in NEEDS_PACKAGE)
+    assert all(_REGISTRY[name].package == engine_package(module) for name, module in NEEDS_PACKAGE)
 
 
 def test_the_launcher_checks_the_engine_without_importing_it():

