@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -151,13 +152,14 @@ class _Progress:
 
 
 def _converted(target: Path, get_gguf) -> Path:
-    """De-quantize a GGUF into `target` once; concurrent workers wait on a file lock."""
-    if _is_hf_dir(target):
+    """De-quantize a GGUF into `target` once; concurrent workers wait on a file lock. A directory an older
+    version wrote (incomplete: see _is_complete_conversion) is converted again, never served."""
+    if _is_complete_conversion(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_hf_dir(target):
+        if _is_complete_conversion(target):
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             gguf = get_gguf(Path(tmp))
@@ -169,23 +171,39 @@ def _converted(target: Path, get_gguf) -> Path:
     return target
 
 
+def _is_complete_conversion(path: Path) -> bool:
+    """Whether `path` is a conversion this version wrote (written in staging and renamed: whole or
+    absent). Older versions wrote config.json without `architectures` (NVIDIA Dynamo's frontend refuses
+    it; vLLM resolves the headless LlamaModel from it) and without `torch_dtype`."""
+    if not _is_hf_dir(path):
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError:
+        return False
+    return bool(config.get("architectures")) and "torch_dtype" in config
+
+
 def _gguf_to_safetensors(gguf: Path, out: Path) -> None:
+    """A Hugging Face directory as save_pretrained writes it (config.json with architectures and dtype,
+    generation config, safetensors with tied weights stored once, tokenizer and chat template), in float32."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"dynamo-pd: de-quantizing {gguf.name} to safetensors (cached in {out.parent})", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # transformers refuses save_pretrained on a GGUF-loaded model; its weights are plain float32 by now.
-    out.mkdir(parents=True)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    # Tied weights are stored once, under the embedding's name, as Hugging Face checkpoints do.
-    tied = getattr(config, "tie_word_embeddings", False)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # Loading de-quantized every weight: the GGUF "quantizer" left on the model only makes save_pretrained
+    # refuse.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # transformers >= 4.56 writes the dtype as "dtype" only; older transformers and tools reading config.json
+    # themselves know "torch_dtype".
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    if "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
