@@ -65,6 +65,29 @@ async def test_vllm_aggregated_greedy_matches_transformers_and_streams_deltas(en
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_vllm_loads_the_converted_directory_as_llama_for_causal_lm_with_its_chat_template(
+        engine, model_dir, hf_greedy):
+    """The engine above runs model_store's directory: vLLM resolves its architecture from config.json (it
+    had none, and vLLM took the headless LlamaModel) and renders the chat template with its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    assert engine._llm.model_config.architectures == ["LlamaForCausalLM"]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = engine._llm.get_tokenizer().apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert ids == tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"]
+    request = EngineRequest(request_id="chat", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                            stop=StopConditions(max_tokens=12))
+    outs = [o async for o in engine.generate(request, RequestContext(request.request_id))]
+    tokens = [t for o in outs for t in o.token_ids]
+    assert tokens == hf_greedy(ids, 12)  # both end at the generation config's eos
+    assert "".join(o.text for o in outs) == tok.decode(tokens, skip_special_tokens=True)
+    await idle(engine)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_vllm_request_ends_and_frees_the_engine_when_cancelled_either_way(engine, model_dir):
     """The RPC server cancels a stream two ways: it sets the request's context (the engine ends it with
     'abort'), or it cancels the task consuming the stream (the handler's cleanup runs). Either way vLLM
