@@ -19,6 +19,7 @@ from dynamo_pd.runtime.security import SecretError, Security
 
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # a DNS-1035 label: Service names must be one
 _QUANTITY = re.compile(r"\d+(\.\d+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+_CPU = re.compile(r"\d+(\.\d+)?m?")  # cores, or millicores
 _LONGEST_SUFFIX = len("-aggregated")
 
 
@@ -96,8 +97,9 @@ def _ref(flag: str, value: str | None) -> SecretRef | None:
 
 
 def _quantity(flag: str, value: str) -> str:
-    if not _QUANTITY.fullmatch(value) or not float(re.sub(r"[a-zA-Z]+$", "", value)) > 0:
-        raise _fail(flag, f"expected a positive Kubernetes quantity such as 2, 500m or 8Gi, got {value!r}")
+    pattern, examples = (_CPU, "2 or 500m") if flag.endswith("-cpu") else (_QUANTITY, "8Gi or 512Mi")
+    if not pattern.fullmatch(value) or not float(re.sub(r"[a-zA-Z]+$", "", value)) > 0:
+        raise _fail(flag, f"expected a positive Kubernetes quantity such as {examples}, got {value!r}")
     return value
 
 

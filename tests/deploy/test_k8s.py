@@ -236,6 +236,7 @@ def test_the_command_prints_yaml_that_validates():
     (["--k8s-namespace", "x" * 64], "--k8s-namespace"),
     (["--worker-memory", "lots"], "--worker-memory"),
     (["--worker-cpu", "0"], "--worker-cpu"),
+    (["--worker-cpu", "2Gi"], "--worker-cpu"),
     (["--etcd", "http://etcd:2379"], "--etcd"),
     (["--engine", "sglang", "--gpus-per-worker", "0"], "--gpus-per-worker"),
     (["--cluster-secret-ref", "no-key"], "--cluster-secret-ref"),
