@@ -91,6 +91,10 @@ def openai_tools(functions: list[dict], mapping: dict[str, str]) -> list[dict]:
     return tools
 
 
+def served(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limit: int,
           max_tokens: int) -> dict[str, Any]:
     right, rows = 0, []
@@ -178,10 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     categories = args.categories.split(",")
     results: dict[str, dict[str, Any]] = {}
     with ours(model_dir, out / "logs") as url:
-        results["dynamo-pd"] = {c: score(url, model_dir.name, bfcl, c, args.limit, args.max_tokens)
+        results["dynamo-pd"] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens)
                                 for c in categories}
     with vllm(model_dir, out / "logs") as url:
-        results["vllm"] = {c: score(url, model_dir.name, bfcl, c, args.limit, args.max_tokens)
+        results["vllm"] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens)
                            for c in categories}
     provenance = collect("python -m benchmarks.bfcl", argv)
     lines = ["| category | dynamo-pd | vLLM | cases |", "|---|---|---|---|"]
