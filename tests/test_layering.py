@@ -98,7 +98,7 @@ def test_the_check_follows_imports_through_the_project(tmp_path):
         "app/runtime/__init__.py": "",
         "app/runtime/base.py": "",
         "app/runtime/disc.py": "from app.runtime import base\nfrom .wire import X\n",
-        "app/runtime/wire.py": "from app.protocol import Info\n",
+        "app/runtime/wire.py": "from app import protocol\n",
         "router/__init__.py": "",
         "router/worker.py": "",
     }.items():
@@ -110,6 +110,7 @@ def test_the_check_follows_imports_through_the_project(tmp_path):
         "app/runtime/wire.py": {"router.worker": f"{wire} -> router.worker"},
     }
     assert offending("app/runtime", {"app"}, tmp_path) == {
-        "app/runtime/disc.py": {"app.protocol": f"app.runtime.disc -> {wire}"},
-        "app/runtime/wire.py": {"app.protocol": wire},
+        "app/runtime/disc.py": {"app": "app.runtime.disc -> app.runtime.wire -> app",
+                                "app.protocol": f"app.runtime.disc -> {wire}"},
+        "app/runtime/wire.py": {"app": "app.runtime.wire -> app", "app.protocol": wire},
     }
