@@ -29,6 +29,12 @@ from router.service import RouterConfig
 
 log = logging.getLogger("dynamo_pd.frontend")
 
+# An idle client connection stays open longer than clients keep theirs pooled (aiperf 300 s, aiohttp 15 s, a
+# cloud load balancer's 60 s), so the client is the one that closes it: a server that closes first races the
+# client's next request on that connection, which fails (uvicorn's default of 5 s lost aiperf requests sent on a
+# connection idle for about 5 s: "Can not write request body", "Server disconnected").
+HTTP_KEEP_ALIVE_S = 330
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dynamo_pd.frontend", description="dynamo-pd OpenAI frontend + router")
@@ -77,7 +83,8 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
                                 approximate=view.approximate, ttl_s=args.approx_kv_ttl_s)
         backend = RemoteBackend(name, tokenizer, context_len, view, events, router, metrics,
                                 BackendConfig(args.local_prefill_tokens, args.on_prefill_failure,
-                                              args.inter_token_timeout_s, args.migration_limit), namespace=args.namespace)
+                                              args.inter_token_timeout_s, args.migration_limit),
+                                namespace=args.namespace)
         await backend.start()
         return backend
 
@@ -108,7 +115,7 @@ async def run(args: argparse.Namespace) -> None:
                                              tool_call_parser=args.tool_call_parser,
                                              reasoning_parser=args.reasoning_parser), metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_keep_alive=HTTP_KEEP_ALIVE_S, timeout_graceful_shutdown=5))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
