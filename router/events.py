@@ -8,6 +8,10 @@ tagged {"type": "BlockStored", ...}, a map-encoded batch), extra trailing fields
 hashes as int or bytes. Unknown event kinds are skipped and counted, never guessed at.
 Engines publish `block_hashes` in their own hash space; the indexer re-hashes `token_ids`
 with router.hashing, so any engine's hash function works.
+The tier a block is in is the events' `medium`, as vLLM and Dynamo name it: absent or "GPU" is the
+engine's own pool (the device tier, even on a CPU host whose pool is host RAM), "CPU" the host tier and
+"DISK" the disk tier below it. A lower tier's BlockStored names blocks by hash only (token_ids empty,
+no parent): the block was stored in the device tier, under its tokens, before it moved down.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from typing import Any, Union
 import msgspec
 
 BlockHash = Union[int, bytes]
+
+TIER_DEVICE, TIER_HOST, TIER_DISK = "GPU", "CPU", "DISK"
+LOWER_TIERS = (TIER_HOST, TIER_DISK)  # fastest first
+DEVICE_MEDIA = (None, TIER_DEVICE)  # the media that mean the device tier
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -19,9 +19,15 @@ hot path), the same function in Python otherwise, with a warning.
 Memory is bounded by `max_nodes` (0 = unbounded): at the bound, new blocks are not indexed and are
 counted in `dropped_blocks`, so matches may under-report but never name a block a worker lacks.
 
+Lower tiers (router.events.LOWER_TIERS: host, disk) are indexed beside the device tier, one dict of worker
+bitmasks per tier on the same worker slots: a set of blocks per worker (no chain: the engine copies a block
+back before a prefill, wherever it sits in the prompt). `lower_run` says how far a worker's prefix goes on
+in them past its device overlap; snapshots (dump / restore) hold the device tier only.
+
 API (all sync; call from one thread, the router's event loop):
     store(worker, seq_hashes) / remove(worker, seq_hashes) / clear_worker(worker) / remove_worker(worker)
     find_matches(seq_hashes) -> Overlaps, a Mapping {worker: leading blocks it holds} (workers with >= 1)
+    store_lower / remove_lower(worker, tier, seq_hashes), lower_run(worker, seq_hashes, start) -> per tier
     dump() -> IndexerSnapshot / restore(snapshot) / memory() -> IndexerMemory
 """
 
@@ -35,6 +41,8 @@ from typing import Union
 
 import msgspec
 import numpy as np
+
+from router.events import LOWER_TIERS
 
 WorkerId = Union[str, int]
 
@@ -93,6 +101,8 @@ class KvIndexer:
         self._log: list[list[tuple[int, ...]]] = []  # slot -> batches stored (a superset of what it holds)
         self._logged: list[int] = []  # slot -> hashes in its log
         self._free_slots: list[int] = []
+        self._lower: dict[str, dict[int, int]] = {}  # lower tier -> seq hash -> bitmask of worker slots
+        self._lower_count: dict[tuple[str, int], int] = {}  # (tier, slot) -> blocks held there
 
     # -- workers ---------------------------------------------------------------------------------
     @property
@@ -134,6 +144,15 @@ class KvIndexer:
                 del nodes[h]
         self._count[slot] = self._logged[slot] = 0
         self._log[slot] = []
+        bit = 1 << slot
+        for tier, lower in self._lower.items():  # rare (a worker reset or gone): a scan is fine
+            if self._lower_count.pop((tier, slot), 0):
+                for h in [h for h, mask in lower.items() if mask & bit]:
+                    mask = lower[h] & keep
+                    if mask:
+                        lower[h] = mask
+                    else:
+                        del lower[h]
 
     def remove_worker(self, worker: WorkerId) -> None:
         slot = self._slot_of.get(worker)
@@ -211,6 +230,63 @@ class KvIndexer:
     def blocks_of(self, worker: WorkerId) -> int:
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._count[slot]
+
+    # -- lower tiers -----------------------------------------------------------------------------
+    def store_lower(self, worker: WorkerId, tier: str, seq_hashes: Iterable[int]) -> None:
+        """Index blocks `worker` now holds in lower tier `tier` (at the max_nodes bound, new ones drop)."""
+        bit = 1 << self._slot(worker)
+        lower = self._lower.setdefault(tier, {})
+        bound, new = self.max_nodes, 0
+        for h in seq_hashes:
+            mask = lower.get(h)
+            if mask is None and bound and len(lower) >= bound:
+                self.dropped_blocks += 1
+            elif mask is None or not mask & bit:
+                lower[h] = (mask or 0) | bit
+                new += 1
+        key = (tier, self._slot_of[worker])
+        self._lower_count[key] = self._lower_count.get(key, 0) + new
+
+    def remove_lower(self, worker: WorkerId, tier: str, seq_hashes: Iterable[int]) -> None:
+        slot = self._slot_of.get(worker)
+        lower = self._lower.get(tier)
+        if slot is None or lower is None:
+            return
+        bit, gone = 1 << slot, 0
+        for h in seq_hashes:
+            mask = lower.get(h, 0)
+            if mask & bit:
+                gone += 1
+                if mask ^ bit:
+                    lower[h] = mask ^ bit
+                else:
+                    del lower[h]
+        if gone:
+            self._lower_count[(tier, slot)] -= gone
+
+    def lower_blocks_of(self, worker: WorkerId, tier: str) -> int:
+        slot = self._slot_of.get(worker)
+        return 0 if slot is None else self._lower_count.get((tier, slot), 0)
+
+    def lower_run(self, worker: WorkerId, seq_hashes: Sequence[int], start: int) -> tuple[int, ...]:
+        """How `worker`'s prefix goes on past block `start` (its device overlap) in the lower tiers: of the
+        blocks from `start` that it holds in a row in any tier, how many sit in each of LOWER_TIERS (a block
+        in two counts in the faster; one it holds on the device too counts in none)."""
+        counts = [0] * len(LOWER_TIERS)
+        slot = self._slot_of.get(worker)
+        if slot is None or not self._lower:
+            return tuple(counts)
+        tiers = [self._lower.get(tier, {}) for tier in LOWER_TIERS]
+        device = self._nodes
+        for h in seq_hashes[start:]:
+            for i, lower in enumerate(tiers):
+                if lower.get(h, 0) >> slot & 1:
+                    counts[i] += 1
+                    break
+            else:
+                if not device.get(h, 0) >> slot & 1:
+                    break
+        return tuple(counts)
 
     # -- queries ---------------------------------------------------------------------------------
     def find_matches(self, seq_hashes: Sequence[int]) -> Overlaps:

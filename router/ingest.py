@@ -28,6 +28,8 @@ from typing import Protocol
 import msgspec
 
 from router.events import (
+    DEVICE_MEDIA,
+    LOWER_TIERS,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -73,7 +75,9 @@ class IngestStats(msgspec.Struct):
     resets: int = 0  # worker state dropped (gap without replay, engine restart)
     unknown_parent: int = 0  # BlockStored whose parent this worker never stored: skipped
     rejected: int = 0  # BlockStored with a block size or token count that does not fit: skipped
-    unknown_events: int = 0  # event kinds we do not know: skipped
+    unknown_events: int = 0  # event kinds (or a block's medium) we do not know: skipped
+    lower_stored: int = 0  # blocks stored in a lower tier (host, disk)
+    lower_removed: int = 0
 
 
 class _WorkerState:
@@ -210,13 +214,16 @@ class EventIngestor:
         if state is None:
             state = self._workers[worker] = _WorkerState()
         for event in events:
-            if type(event) is ProjectBlockStored:  # the hot path, inline: a trusted worker's hashes as they are
+            if type(event) is ProjectBlockStored and event.medium is None:  # the hot path, inline: a trusted
+                # worker's device blocks, their hashes as they are
                 if event.block_size != self.block_size:
                     self._reject(worker, event, -1)
                 elif self.indexer.store(worker, event.block_hashes, after=event.parent_block_hash):
                     self.stats.blocks_stored += len(event.block_hashes)
                 else:
                     self.stats.unknown_parent += 1
+            elif not isinstance(event, AllBlocksCleared) and event.medium not in DEVICE_MEDIA:
+                self._lower(worker, state, event)
             elif isinstance(event, BlockStored):
                 self._store(worker, state, event)
             elif isinstance(event, BlockRemoved):
@@ -228,6 +235,21 @@ class EventIngestor:
                 self.indexer.clear_worker(worker)
                 state.engine_to_project.clear()
                 self.stats.clears += 1
+
+    def _lower(self, worker: WorkerId, state: _WorkerState, event: BlockStored | BlockRemoved) -> None:
+        """A lower tier's store or removal: by hash (engine hashes through this worker's map), no parent."""
+        tier = event.medium
+        if tier not in LOWER_TIERS:
+            self.stats.unknown_events += 1  # a medium we cannot place: never guessed to be a tier we know
+            return
+        to_project = state.engine_to_project
+        hashes = [h for h in (to_project.get(h, h) for h in event.block_hashes) if isinstance(h, int)]
+        if isinstance(event, BlockStored):
+            self.indexer.store_lower(worker, tier, hashes)
+            self.stats.lower_stored += len(hashes)
+        else:
+            self.indexer.remove_lower(worker, tier, hashes)
+            self.stats.lower_removed += len(hashes)
 
     def _reject(self, worker: WorkerId, event: BlockStored, tokens: int) -> None:
         self.stats.rejected += 1
