@@ -309,9 +309,11 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         charged = False
         reader: OutputReader | None = None  # tool calls and reasoning read out of a chat's output
 
-        async def start(name: str) -> tuple[Backend, AsyncIterator[EngineOutput], EngineOutput]:
-            """`name`'s backend, its stream and the stream's first output (a model without a ready worker,
-            a full queue or a worker that failed before any output raise, and its fallback is tried)."""
+        async def start(name: str) -> tuple[Backend, AsyncIterator[EngineOutput], EngineOutput,
+                                            RequestContext]:
+            """`name`'s backend, its stream, the stream's first output and the request's context (a model
+            without a ready worker, a full queue or a worker that failed before any output raise, and its
+            fallback is tried)."""
             nonlocal stream, charged, reader
             backend = models.lookup(name)
             if not backend.ready():
@@ -329,8 +331,10 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
                 charged = True
             reader = reader_for(backend, ids) if reader_for is not None else None
-            stream = _timed(queued(backend.generate(request, RequestContext(rid)), models.limiter, name), metrics)
-            return backend, stream, await _unless_gone(gone, anext(stream))  # errors before it: HTTP errors
+            context = RequestContext(rid)
+            stream = _timed(queued(backend.generate(request, context), models.limiter, name), metrics)
+            first = await _unless_gone(gone, anext(stream))  # errors before it: HTTP errors
+            return backend, stream, first, context
 
         try:
             chain = models.chain(body.model)
@@ -341,7 +345,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             failures: list[Exception] = []
             for name in chain:
                 try:
-                    backend, stream, first = await start(name)
+                    backend, stream, first, context = await start(name)
                     break
                 except Exception as exc:
                     if not _unavailable(exc):
@@ -355,6 +359,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             if name != body.model:
                 models.fell_back(body.model, name)
             headers = {"x-dynamo-pd-model": name}
+            if context.worker_id is not None:  # the worker streaming the answer (decode, aggregated) at its start
+                headers["x-dynamo-pd-worker"] = context.worker_id
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader)

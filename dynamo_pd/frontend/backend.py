@@ -169,6 +169,7 @@ class RemoteBackend:
             raise OverloadedError(str(exc)) from exc
         try:
             while True:
+                context.worker_id = placement.decode.worker_id
                 try:
                     async for out in self._attempt(placement, attempt, journey, context):
                         yield out

@@ -12,10 +12,12 @@ T = TypeVar("T")
 
 
 class RequestContext:
-    """Cancellation, for now: the caller (or the RPC server, for a client gone) cancels, the engine aborts."""
+    """Cancellation: the caller (or the RPC server, for a client gone) cancels, the engine aborts. In the
+    frontend it also names the worker the router placed the request on (the x-dynamo-pd-worker header)."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
+        self.worker_id: str | None = None
         self._cancelled = asyncio.Event()
 
     def cancel(self) -> None:

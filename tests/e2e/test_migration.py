@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import threading
-import time
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +24,7 @@ def p1d2(tmp_path_factory):
     deployment = start_deployment(tmp_path_factory.mktemp("p1d2"), "--prefill", "1", "--decode", "2",
                                   "--kv-cache-memory-gb", "0.1")
     yield deployment
-    deployment.stop()
+    deployment.stop_checked()  # the restarted workers too
 
 
 def completion(deployment: Deployment, prompt: str, max_tokens: int) -> dict:
@@ -38,22 +38,19 @@ def complete(deployment: Deployment, prompt: str, max_tokens: int) -> str:
     return completion(deployment, prompt, max_tokens)["choices"][0]["text"]
 
 
-def running(deployment: Deployment, worker: str) -> float:
-    return deployment.metric("dynamo_pd_worker_running_requests", worker=worker) or 0.0
-
-
 @pytest.mark.slow
 def test_a_decode_worker_killed_mid_stream_is_migrated_and_the_text_is_the_unfailed_one(p1d2, openai_client_factory):
     prompt, max_tokens = PROMPTS[0], 120
     unfailed = completion(p1d2, prompt, max_tokens)
     client = openai_client_factory(p1d2)
-    stream = iter(client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True})
+    victim = raw.headers["x-dynamo-pd-worker"]  # where the frontend placed the stream
+    assert victim in ("decode-0", "decode-1"), victim
+    stream = iter(raw.parse())
     chunks = [next(stream) for _ in range(4)]
-    victim: list[str] = []
-    p1d2.wait_for(lambda: victim.extend(w for w in ("decode-0", "decode-1") if running(p1d2, w) >= 1) or victim,
-                  10, "the decode worker serving the stream")
-    p1d2.procs[victim[0]].kill()
+    p1d2.kill(victim)
     chunks += list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == unfailed["choices"][0]["text"]
@@ -61,20 +58,37 @@ def test_a_decode_worker_killed_mid_stream_is_migrated_and_the_text_is_the_unfai
     assert (usage.prompt_tokens, usage.completion_tokens) == (unfailed["usage"]["prompt_tokens"],
                                                               unfailed["usage"]["completion_tokens"])
     assert p1d2.metric("dynamo_pd_migrations_total", reason="worker_gone") == 1
-    restart(p1d2, victim[0])
+    restart(p1d2, victim)
+
+
+def worker_logs(deployment: Deployment, name: str) -> list[Path]:
+    """The logs of each process that ran as `name`, the first one's first."""
+    restarts = len(list(deployment.logs.glob(f"{name}.restarted-*.log")))
+    return [deployment.logs / f"{name}.log", *(deployment.logs / f"{name}.restarted-{i}.log"
+                                                for i in range(1, restarts + 1))]
 
 
 def restart(deployment: Deployment, name: str) -> None:
-    """Start a worker again with its command; wait until all three are registered."""
-    old = deployment.procs[name]
-    if old.poll() is None:
+    """Stop a worker with SIGTERM (it drains, and must exit 0) unless a test killed it (-SIGKILL), start it
+    again with its command (a log of its own), and wait until that process says it is ready and all three
+    workers are registered."""
+    old, old_log = deployment.procs[name], worker_logs(deployment, name)[-1]
+    drained = name not in deployment.killed
+    if drained:
         old.send_signal(signal.SIGTERM)
-        old.wait(60)
-    with open(deployment.logs / f"{name}.restarted.log", "ab") as log:
-        deployment.procs[name] = subprocess.Popen(old.args, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
-    deployment.wait_for(lambda: workers_registered(deployment) >= 3 and all(
-        (deployment.metric("dynamo_pd_worker_total_blocks", worker=w) or 0) > 0
-        for w in ("prefill-0", "decode-0", "decode-1")), 180, f"{name} back")
+    code = old.wait(60)
+    assert code == (0 if drained else -signal.SIGKILL), f"{name} exited {code}: {old_log.read_text()[-3000:]}"
+    if drained:
+        assert f"worker {name} draining" in old_log.read_text(), old_log.read_text()[-3000:]
+    deployment.killed.discard(name)
+    new_log = deployment.logs / f"{name}.restarted-{len(worker_logs(deployment, name))}.log"
+    with open(new_log, "wb") as log:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        deployment.procs[name] = subprocess.Popen(old.args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deployment.wait_for(lambda: f"worker {name} ready" in new_log.read_text()
+                        and workers_registered(deployment) >= 3
+                        and all((deployment.metric("dynamo_pd_worker_total_blocks", worker=w) or 0) > 0
+                                for w in ("prefill-0", "decode-0", "decode-1")), 180, f"{name} back")
 
 
 @pytest.mark.slow
@@ -90,17 +104,21 @@ def test_a_rolling_sigterm_restart_under_load_fails_no_request(p1d2):
             n += 1
             try:
                 results.append((prompt, complete(p1d2, prompt, 24), ""))
-            except AssertionError as exc:
-                results.append((prompt, None, str(exc)))
+            except Exception as exc:  # noqa: BLE001 - an error status, a reset connection, a timeout: a failure
+                results.append((prompt, None, repr(exc)))
+
+    def served_more(n: int) -> None:  # the load runs between restarts, not only around them
+        done = len(results)
+        p1d2.wait_for(lambda: len(results) >= done + n, 120, f"{n} more requests answered")
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     try:
         for name in ("prefill-0", "decode-0", "decode-1"):
-            time.sleep(2)
+            served_more(3)
             restart(p1d2, name)
-        time.sleep(2)
+        served_more(3)
     finally:
         stop.set()
         for thread in threads:
@@ -112,4 +130,5 @@ def test_a_rolling_sigterm_restart_under_load_fails_no_request(p1d2):
     assert not wrong, wrong[:3]
     assert len(results) >= 10
     for name in ("prefill-0", "decode-0", "decode-1"):
-        assert "Traceback" not in (p1d2.logs / f"{name}.log").read_text()
+        for log in worker_logs(p1d2, name):
+            assert "Traceback" not in log.read_text(), log
