@@ -1,0 +1,80 @@
+"""The next interval's load from the intervals seen: per pool, its request rate and the prompt and
+output lengths of its requests.
+
+    constant   next = the last interval's value (reactive)
+    trend      Holt's linear smoothing: a level and a slope, each an exponentially weighted mean of what
+               the intervals showed; next = level + slope (a ramp is met a step early)
+A mean length is updated only by an interval that had requests; the prompts' spread (which the TTFT
+model needs, not just their mean) comes from the last WINDOW requests seen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dynamo_pd.planner.model import Load
+
+PredictorName = Literal["constant", "trend"]
+WINDOW = 1024  # recent prompts kept for the shape of their lengths
+LEVEL_WEIGHT = 0.9  # trend: the newest interval's weight in the level (tuned on noisy sinusoids)
+SLOPE_WEIGHT = 0.8  # and in the slope
+
+
+@dataclass
+class Series:
+    """One quantity's forecast; None until it was observed."""
+
+    kind: PredictorName
+    level: float | None = None
+    slope: float = 0.0
+
+    def update(self, value: float) -> None:
+        if self.level is None or self.kind == "constant":
+            self.level = value
+            return
+        previous = self.level
+        self.level = LEVEL_WEIGHT * value + (1 - LEVEL_WEIGHT) * (self.level + self.slope)
+        self.slope = SLOPE_WEIGHT * (self.level - previous) + (1 - SLOPE_WEIGHT) * self.slope
+
+    def forecast(self) -> float | None:
+        return None if self.level is None else max(0.0, self.level + self.slope)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request placed on a pool (router.replica_sync's "place" update)."""
+
+    prefill_tokens: int  # uncached prompt tokens the chosen worker computes (0: it only decodes)
+    blocks: int  # the prompt's KV blocks
+
+
+@dataclass
+class LoadForecast:
+    """One pool's series."""
+
+    kind: PredictorName
+    rate: Series = field(init=False)
+    prompt_tokens: Series = field(init=False)
+    prompt_blocks: Series = field(init=False)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        self.rate, self.prompt_tokens, self.prompt_blocks = (Series(self.kind) for _ in range(3))
+
+    def update(self, interval_s: float, arrivals: list[Arrival]) -> None:
+        self.rate.update(len(arrivals) / interval_s)
+        if arrivals:
+            self.prompt_tokens.update(sum(a.prefill_tokens for a in arrivals) / len(arrivals))
+            self.prompt_blocks.update(sum(a.blocks for a in arrivals) / len(arrivals))
+            self.recent.extend(a.prefill_tokens for a in arrivals)
+
+    def load(self, output_tokens: float) -> Load | None:
+        """The next interval's load; None before any interval was seen."""
+        rate = self.rate.forecast()
+        if rate is None:
+            return None
+        return Load(rate=rate, prompt_tokens=tuple(self.recent),
+                    mean_prompt_tokens=self.prompt_tokens.forecast() or 0.0,
+                    prompt_blocks=self.prompt_blocks.forecast() or 0.0, output_tokens=output_tokens)

@@ -1,0 +1,73 @@
+"""The load forecasts: constant repeats the last interval, trend follows a ramp and leads a sinusoid."""
+
+import math
+import random
+
+import pytest
+
+from dynamo_pd.planner.predict import Arrival, LoadForecast, Series
+
+
+def one_step_errors(kind: str, values: list[float]) -> list[float]:
+    series, errors = Series(kind), []
+    for value in values:
+        if (forecast := series.forecast()) is not None:
+            errors.append(abs(forecast - value))
+        series.update(value)
+    return errors
+
+
+def test_constant_repeats_the_last_interval():
+    series = Series("constant")
+    assert series.forecast() is None
+    for value in (3.0, 9.0, 5.0):
+        series.update(value)
+    assert series.forecast() == 5.0
+
+
+def test_trend_follows_a_ramp():
+    errors = one_step_errors("trend", [2.0 * t for t in range(30)])
+    assert errors[-1] == pytest.approx(0.0, abs=0.01)  # on a line, the slope is learned exactly
+    behind = one_step_errors("constant", [2.0 * t for t in range(30)])[-1]
+    assert behind == pytest.approx(2.0)  # a step behind
+
+
+@pytest.mark.parametrize("period", [8, 12, 24])
+def test_trend_leads_a_noisy_sinusoid(period):
+    # 1..24 req/s (the benchmark's load), counted over 10 s intervals: Poisson noise on each
+    rng = random.Random(period)
+    truth = [12.5 - 11.5 * math.cos(2 * math.pi * t / period) for t in range(400)]
+    seen = [_poisson(rng, rate * 10) / 10 for rate in truth]
+    errors = {}
+    for kind in ("trend", "constant"):
+        series, errors[kind] = Series(kind), 0.0
+        for t, value in enumerate(seen):
+            if t >= 20:  # past the warm-up
+                errors[kind] += abs(series.forecast() - truth[t])
+            series.update(value)
+    assert errors["trend"] < 0.9 * errors["constant"]
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """Arrivals in one interval: count Poisson events of rate `mean` within a unit of time."""
+    count, t = 0, rng.expovariate(1.0)
+    while t < mean:
+        count, t = count + 1, t + rng.expovariate(1.0)
+    return count
+
+
+def test_never_below_zero():
+    series = Series("trend")
+    for value in (20.0, 10.0, 0.0):
+        series.update(value)
+    assert series.forecast() == 0.0
+
+
+def test_lengths_come_from_intervals_with_requests():
+    forecast = LoadForecast("constant")
+    assert forecast.load(100.0) is None
+    forecast.update(10.0, [Arrival(3000, 188), Arrival(1000, 63)])
+    forecast.update(10.0, [])  # an idle interval: the rate drops, the lengths stay
+    load = forecast.load(100.0)
+    assert load.rate == 0.0 and load.mean_prompt_tokens == 2000 and load.prompt_blocks == 125.5
+    assert load.prompt_tokens == (3000, 1000) and load.output_tokens == 100.0
