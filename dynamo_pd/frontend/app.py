@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai, structured
@@ -31,6 +31,7 @@ from dynamo_pd.frontend.gateway import ModelNotFoundError
 from dynamo_pd.frontend.tools import prompt, request as tool_request
 from dynamo_pd.frontend.tools.output import OutputReader, Readers
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError, client_key, queued
+from dynamo_pd.frontend.sse import DONE, Chunks, EventStream
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -172,16 +173,30 @@ def _body_too_large(limit: int) -> JSONResponse:
     return error_response(413, f"request body over {limit} bytes", "invalid_request_error")
 
 
-class _BodyLimit:
-    """Caps bodies that declare no length (chunked uploads): read up to the limit, then hand the app
-    the whole body at once. Declared lengths are refused up front by the guard middleware."""
+class _Guard:
+    """The API key and the body size limit, as plain ASGI: no task group or stream copy per request and
+    per streamed chunk, as Starlette's BaseHTTPMiddleware costs. Declared lengths are refused up front; a
+    body that declares none (a chunked upload) is read up to the limit, then handed to the app at once."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, api_key: str | None, limit: int):
         self.app, self.limit = app, limit
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        headers = dict(scope.get("headers", ())) if scope["type"] == "http" else {}
-        if scope["type"] != "http" or b"content-length" in headers or scope["method"] in ("GET", "HEAD"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in _OPEN_ROUTES and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            refused = error_response(401, "invalid or missing API key", "authentication_error",
+                                     code="invalid_api_key")
+            return await refused(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await _body_too_large(self.limit)(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         chunks, size, more = [], 0, True
         while more:
@@ -213,18 +228,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
     fields = FieldPolicy(metrics.unknown_fields)
     readers = Readers(config.tool_call_parser, config.reasoning_parser)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path not in _OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return _body_too_large(config.max_body_bytes)
-        return await call_next(request)
-
-    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(_Guard, api_key=config.api_key, limit=config.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, exc: RequestValidationError):
@@ -364,8 +368,9 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader)
-                stream, status = None, None  # the response owns it now, and notices a client that leaves
-                return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
+                response = EventStream(sse, gone, headers)
+                stream, status, gone = None, None, None  # the response owns them: it notices a client leaving
+                return response
             outputs = [first, *await _unless_gone(gone, _collect(stream))]
             whole = oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs, reader)
             return JSONResponse(whole, headers=headers)
@@ -378,7 +383,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             status = str(error.status)
             raise error from exc
         finally:
-            gone.cancel()
+            if gone is not None:
+                gone.cancel()
             if stream is not None:
                 await stream.aclose()
             if status is not None:
@@ -461,20 +467,25 @@ async def _wait_disconnect(http: Request) -> None:
 
 async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
                metrics: Metrics, reader: OutputReader | None = None) -> AsyncIterator[bytes]:
-    model, decode = backend.model_name, backend.tokenizer.decode
+    """The response's events, those of one output in one item (with the first, the role chunk; with the
+    last, the usage chunk and the end)."""
+    chunks, decode = Chunks(kind, rid, backend.model_name), backend.tokenizer.decode
     status = "200"
+    role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+    data = chunks.choice(role) if kind == "chat" else b""
+    done = False
     try:
-        if kind == "chat":
-            first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-            yield oai.sse_event(oai.chunk_envelope(kind, rid, model, first))
         async for out in stream:
             choice = oai.stream_choice(kind, out, decode, reader)
             if choice is not None:
-                yield oai.sse_event(oai.chunk_envelope(kind, rid, model, choice))
+                data += chunks.choice(choice)
             if out.usage is not None and include_usage:
-                usage_chunk = oai.chunk_envelope(kind, rid, model, {})
-                usage_chunk["choices"], usage_chunk["usage"] = [], oai.usage_body(out.usage)
-                yield oai.sse_event(usage_chunk)
+                data += chunks.usage(oai.usage_body(out.usage))
+            if out.finish_reason is not None:  # the last output
+                data, done = data + DONE, True
+            if data:
+                yield data
+                data = b""
     except asyncio.CancelledError:
         status = "499"  # the client went away; closing `stream` cancels the request everywhere
         log.info("request %s: the client went away mid-stream", rid)
@@ -482,9 +493,10 @@ async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[Engi
     except Exception as exc:  # noqa: BLE001 - a stream already started can only report in-band
         error = as_http_error(exc, rid)
         status = str(error.status)
-        yield oai.sse_event({"error": {"message": str(error), "type": error.type, "param": error.param,
-                                       "code": error.code}})
+        data += oai.sse_event({"error": {"message": str(error), "type": error.type, "param": error.param,
+                                         "code": error.code}})
     finally:
         metrics.requests.labels(kind, status).inc()
         await stream.aclose()
-    yield b"data: [DONE]\n\n"
+    if not done:
+        yield data + DONE

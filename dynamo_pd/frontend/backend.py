@@ -243,12 +243,22 @@ class RemoteBackend:
             raise WorkerFailure(worker_id, "worker_left", OverloadedError("the worker left before the request "
                                                                           "reached it"))
         try:
-            async for chunk in self.rpc.stream(worker.rpc_endpoint, _encoder.encode(request), context,
-                                               first_response_timeout_s=first_response_timeout_s):
-                out = _output_decoder.decode(chunk)
-                if out.transfer is not None:
-                    self.metrics.transfer_bytes.inc(out.transfer.nbytes)
-                    self.metrics.transfer_seconds.observe(out.transfer.seconds)
+            batches = self.rpc.stream_batches(worker.rpc_endpoint, _encoder.encode(request), context,
+                                              first_response_timeout_s=first_response_timeout_s)
+            async for chunks in batches:
+                out = None  # the outputs that arrived together, joined where they can: one step for the client
+                for chunk in chunks:
+                    got = _output_decoder.decode(chunk)
+                    if got.transfer is not None:
+                        self.metrics.transfer_bytes.inc(got.transfer.nbytes)
+                        self.metrics.transfer_seconds.observe(got.transfer.seconds)
+                    if out is None:
+                        out = got
+                    elif (joined := _joined(out, got)) is not None:
+                        out = joined
+                    else:
+                        yield out
+                        out = got
                 yield out
         except RequestCancelledError:
             raise
@@ -352,6 +362,18 @@ class RemoteBackend:
                 echo_pending, out = False, _drop_echo(out)
             if out.token_ids or out.text or out.finish_reason:
                 yield out
+
+
+def _joined(a: EngineOutput, b: EngineOutput) -> EngineOutput | None:
+    """`a` then `b` as one output, where `a` is a plain step (no end, usage, hand-off or error) and `b`
+    carries no hand-off, error or transfer figures, both with logprobs or neither; else None."""
+    if (a.finish_reason is not None or a.usage is not None or a.handoff is not None or a.error is not None
+            or b.handoff is not None or b.error is not None or b.transfer is not None
+            or (a.logprobs is None) != (b.logprobs is None)):
+        return None
+    return msgspec.structs.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+                                   logprobs=None if a.logprobs is None else a.logprobs + b.logprobs,
+                                   transfer=a.transfer)
 
 
 def _drop_echo(out: EngineOutput) -> EngineOutput:

@@ -18,6 +18,8 @@ Every way out is bounded and typed:
   - `context.cancel()` while streaming             -> RequestCancelledError
 Leaving the loop early (break, aclose, the consuming task cancelled) or any of the errors above
 sends a Cancel, so the worker's context is cancelled and it aborts the work.
+`stream_batches` yields the same chunks as lists: every chunk that had arrived when the caller asked, so
+a caller behind on a fast stream handles its backlog at once (one SSE event for several tokens).
 `release(endpoint)` (the worker left discovery) closes its connection once no stream uses it.
 """
 
@@ -57,6 +59,40 @@ _END = object()
 _CANCELLED = object()
 
 
+class _Inbox:
+    """One stream's chunks (and its end or error) as the connection's reader delivers them, and the one
+    task waiting for them: a list and a future, where a queue and wait_for cost a task per chunk."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, timeout_s: float | None) -> bool:
+        """Until something arrives (True) or `timeout_s` passes (False)."""
+        if self.items:
+            return True
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._waiter
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiter = None
+
+    def take(self) -> list:
+        items, self.items = self.items, []
+        return items
+
+
 class _Connection:
     """One DEALER to one worker; owns the queues of the streams open on it."""
 
@@ -76,25 +112,28 @@ class _Connection:
         self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
         self.released = False  # the worker left discovery: close once the last stream ends
-        self._streams: dict[int, asyncio.Queue] = {}
+        self._streams: dict[int, _Inbox] = {}
         self._ids = itertools.count(1)
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ValueError(f"bad worker endpoint {endpoint!r}: {exc}") from exc
+        # drains what is queued without a future per message; the reader's awaited recv (asyncio's socket)
+        # comes after every drain, and it checks the socket before it waits (ZMQ's edge-triggered FD)
+        self._sync = zmq.Socket.shadow(self._sock.underlying)
         self._tasks = [asyncio.create_task(self._read(), name=f"rpc-read-{endpoint}"),
                        asyncio.create_task(self._watch_connection(), name=f"rpc-monitor-{endpoint}"),
                        asyncio.create_task(self._ping(), name=f"rpc-ping-{endpoint}")]
 
-    def open(self, payload: bytes, request_id: str) -> tuple[int, asyncio.Queue]:
+    def open(self, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
         if self.gone is not None:
             raise self.gone
         stream = next(self._ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[stream] = queue
+        inbox = _Inbox()
+        self._streams[stream] = inbox
         self._send([wire.encoder.encode(wire.Open(stream, request_id)), payload])
-        return stream, queue
+        return stream, inbox
 
     def close_stream(self, stream: int, cancel: bool) -> None:
         if self._streams.pop(stream, None) is not None and cancel and self.gone is None:
@@ -116,27 +155,36 @@ class _Connection:
             raise self.gone from exc
 
     async def _read(self) -> None:
+        sync = self._sync
         while True:
-            frames = await self._sock.recv_multipart()
-            try:
-                msg = wire.client_decoder.decode(frames[0])
-            except Exception as exc:
-                log.warning("rpc client: dropping malformed message from %s: %s", self.endpoint, exc)
-                continue
-            queue = self._streams.get(msg.stream)
-            if queue is None:
-                continue  # a stream we already closed
-            if isinstance(msg, wire.Data):
-                queue.put_nowait(frames[1] if len(frames) > 1 else b"")
-            elif isinstance(msg, wire.End):
-                queue.put_nowait(_END)
-            elif msg.client_error:  # rebuilt as the error it was, so no caller retries it
-                error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
-                queue.put_nowait(error(msg.message, msg.param))
-            elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere
-                queue.put_nowait(WorkerDrainingError(f"worker {self.endpoint}: {msg.message}"))
-            else:
-                queue.put_nowait(RemoteError(msg.error_type, msg.message, self.endpoint))
+            self._deliver(await self._sock.recv_multipart())
+            while True:  # and whatever else is queued already
+                try:
+                    frames = sync.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._deliver(frames)
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        try:
+            msg = wire.client_decoder.decode(frames[0])
+        except Exception as exc:
+            log.warning("rpc client: dropping malformed message from %s: %s", self.endpoint, exc)
+            return
+        inbox = self._streams.get(msg.stream)
+        if inbox is None:
+            return  # a stream we already closed
+        if isinstance(msg, wire.Data):
+            inbox.put(frames[1] if len(frames) > 1 else b"")
+        elif isinstance(msg, wire.End):
+            inbox.put(_END)
+        elif msg.client_error:  # rebuilt as the error it was, so no caller retries it
+            error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
+            inbox.put(error(msg.message, msg.param))
+        elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere
+            inbox.put(WorkerDrainingError(f"worker {self.endpoint}: {msg.message}"))
+        else:
+            inbox.put(RemoteError(msg.error_type, msg.message, self.endpoint))
 
     async def _watch_connection(self) -> None:
         while True:
@@ -168,8 +216,8 @@ class _Connection:
             return
         self.gone = error
         self.settled.set()
-        for queue in self._streams.values():
-            queue.put_nowait(WorkerGoneError(*error.args))  # one instance per stream: tracebacks stay apart
+        for inbox in self._streams.values():
+            inbox.put(WorkerGoneError(*error.args))  # one instance per stream: tracebacks stay apart
         self._streams.clear()
         current = asyncio.current_task()
         for task in self._tasks:
@@ -181,7 +229,7 @@ class _Connection:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close()
-        self._sock.close()
+        self._sock.close()  # the shadow shares its handle: nothing more to close
 
 
 class RpcClient:
@@ -230,35 +278,50 @@ class RpcClient:
     async def stream(self, endpoint: str, payload: bytes, context: RequestContext, *,
                      first_response_timeout_s: float | None = None) -> AsyncIterator[bytes]:
         """Yield the worker handler's chunks for `payload`; see the module docstring for the errors."""
+        batches = self.stream_batches(endpoint, payload, context,
+                                      first_response_timeout_s=first_response_timeout_s)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for chunk in batch:
+                    yield chunk
+
+    async def stream_batches(self, endpoint: str, payload: bytes, context: RequestContext, *,
+                             first_response_timeout_s: float | None = None) -> AsyncIterator[list[bytes]]:
+        """`stream`'s chunks, each time all those that had arrived (at least one)."""
         if context.cancelled:
             raise RequestCancelledError(f"request {context.request_id} was cancelled before it was sent")
         conn = await self._connection(endpoint)
-        stream, queue = conn.open(payload, context.request_id)
+        stream, inbox = conn.open(payload, context.request_id)
 
         async def forward_cancel() -> None:
             await context.wait_cancelled()
-            queue.put_nowait(_CANCELLED)
+            inbox.put(_CANCELLED)
 
         watcher = asyncio.create_task(forward_cancel(), name=f"rpc-cancel-{context.request_id}")
         timeout, timeout_error = first_response_timeout_s or self.first_response_timeout_s, FirstResponseTimeoutError
         finished = False
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
+                if not await inbox.wait(timeout):
                     raise timeout_error(f"worker {endpoint} sent nothing for request {context.request_id} "
-                                        f"within {timeout}s") from None
+                                        f"within {timeout}s")
                 timeout, timeout_error = self.inter_response_timeout_s, StreamStalledError
+                items = inbox.take()
+                n = 0
+                while n < len(items) and type(items[n]) is bytes:
+                    n += 1
+                if n:  # the chunks first; an end or error after them waits for the next round
+                    inbox.items[:0] = items[n:]
+                    yield items if n == len(items) else items[:n]
+                    continue
+                item = items[0]
                 if item is _END:
                     finished = True
                     return
                 if item is _CANCELLED:
                     raise RequestCancelledError(f"request {context.request_id} was cancelled")
-                if isinstance(item, Exception):
-                    finished = True  # the worker's side is over already
-                    raise item
-                yield item
+                finished = True  # an error: the worker's side is over already
+                raise item
         finally:
             watcher.cancel()
             conn.close_stream(stream, cancel=not finished)
