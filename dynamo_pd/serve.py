@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ from dynamo_pd.credentials import (API_KEY_ENV, add_api_key_args, add_security_a
                                    security_argv, security_from_args)
 from dynamo_pd.engines.base import EngineRole, engine_entry
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
+from dynamo_pd.planner.config import AGGREGATED, DISAGGREGATED, add_planner_args, planner_config
 from dynamo_pd.runtime.security import configure
 
 _READY_TIMEOUT_S = 600.0
@@ -61,6 +63,10 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--prometheus-config", default=None, metavar="PATH",
                    help="once ready, write a Prometheus configuration scraping every process here "
                         "(docs/operations/metrics.md)")
+    p.add_argument("--planner", action="store_true",
+                   help="size the pools from live load (docs/planner.md): --prefill/--decode/--aggregated "
+                        "are the counts to start with, the planner's flags below the rest (no --pin-cores)")
+    add_planner_args(p)
     add_frontend_args(p)
     return p
 
@@ -82,6 +88,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error(f"--aggregated must be >= 1, got {args.aggregated}")
     check_namespace(args.namespace)
     check_frontend_args(p, args)
+    if args.planner:
+        args.planner_config = cfg = planner_config(p, args, AGGREGATED if args.aggregated else DISAGGREGATED,
+                                                   args.max_num_batched_tokens)
+        for pool, count in initial_counts(args).items():
+            if not cfg.min_workers(pool) <= count <= cfg.max_workers(pool):
+                p.error(f"--{pool} {count} is outside the planner's "
+                        f"{cfg.min_workers(pool)}..{cfg.max_workers(pool)}")
+        if worker_count(args) > cfg.budget:
+            p.error(f"{worker_count(args)} workers to start with exceed --budget {cfg.budget}")
     args.api_key = api_key_from_args(args)  # to the frontend in its environment, never in its argv
     args.security = security_from_args(args)
     engine_config(args, EngineRole.AGGREGATED, passthrough)  # validates engine flags before anything starts
@@ -91,29 +106,65 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def plan(args: argparse.Namespace, engine_argv: list[str]) -> tuple[str, list[list[str]]]:
-    """The discovery URL and the command line of every child: frontend first, then workers."""
-    discovery = args.etcd or f"tcp://127.0.0.1:{args.discovery_port}"
-    plane = ["--namespace", args.namespace, *(["--events", args.nats] if args.nats else []), *security_argv(args)]
+    """The discovery URL and the command line of every child: frontend first, then workers (with
+    --planner, the frontend alone: the planner's local connector starts workers through the hooks below)."""
+    discovery = _discovery_url(args)
     frontend = [sys.executable, "-m", "dynamo_pd.frontend", "--host", args.host, "--port", str(args.port),
-                "--discovery", discovery, *plane]
+                "--discovery", discovery, *_plane(args)]
     if args.model:
         frontend += ["--model", args.model]
     frontend += frontend_argv(args)
-    roles = [("aggregated", args.aggregated)] if args.aggregated else [("prefill", args.prefill), ("decode", args.decode)]
-    count = sum(n for _, n in roles)
-    # Every worker runs on this host: a fraction of its memory is the deployment's, split evenly
-    # (the last --gpu-memory-utilization on a worker's command line wins).
-    share = ["--gpu-memory-utilization", f"{args.memory_fraction / count:.4g}"] if args.memory_fraction else []
+    if args.planner:
+        return discovery, [frontend]
+    roles = initial_counts(args).items()
+    if engine_entry(args.engine).shares_process:  # its workers compute nothing: each role's share one process
+        workers = [pool_command(args, engine_argv, role, n) for role, n in roles if n]
+    else:
+        workers = [worker_command(args, engine_argv, role, f"{role}-{i}")
+                   for role, n in roles for i in range(n)]
+    return discovery, [frontend, *workers]
+
+
+def initial_counts(args: argparse.Namespace) -> dict[str, int]:
+    if args.aggregated:
+        return {"aggregated": args.aggregated}
+    return {"prefill": args.prefill, "decode": args.decode}
+
+
+def _discovery_url(args: argparse.Namespace) -> str:
+    return args.etcd or f"tcp://127.0.0.1:{args.discovery_port}"
+
+
+def _plane(args: argparse.Namespace) -> list[str]:
+    return ["--namespace", args.namespace, *(["--events", args.nats] if args.nats else []),
+            *security_argv(args)]
+
+
+def _worker_common(args: argparse.Namespace) -> list[str]:
+    return ["--discovery", _discovery_url(args), "--kv-transport", args.kv_transport, "--kv-handoff",
+            args.kv_handoff, *_plane(args)]
+
+
+def worker_command(args: argparse.Namespace, engine_argv: list[str], role: str, worker_id: str) -> list[str]:
+    """One worker process's command line (the launcher's hook for starting a worker)."""
+    # Every worker runs on this host: a fraction of its memory is the deployment's, split evenly between
+    # as many workers as it may have (the last --gpu-memory-utilization on a worker's command line wins).
+    count = args.planner_config.budget if args.planner else worker_count(args)
+    share = []
+    if args.memory_fraction:
+        share += ["--gpu-memory-utilization", f"{args.memory_fraction / count:.4g}"]
     if args.kv_cache_memory_fraction:  # the workers start together and see the same free memory
         share += ["--kv-cache-memory-fraction", f"{args.kv_cache_memory_fraction / count:.4g}"]
-    common = ["--discovery", discovery, "--kv-transport", args.kv_transport, "--kv-handoff", args.kv_handoff, *plane]
-    if engine_entry(args.engine).shares_process:  # its workers compute nothing: each role's share one process
-        workers = [[sys.executable, "-m", "dynamo_pd.mocker", "--workers", str(n), "--role", role, "--worker-id", role,
-                    *common, *engine_argv] for role, n in roles if n]
-    else:
-        workers = [[sys.executable, "-m", f"dynamo_pd.{role}", "--worker-id", f"{role}-{i}", *common, *engine_argv,
-                    *share] for role, n in roles for i in range(n)]
-    return discovery, [frontend, *workers]
+    return [sys.executable, "-m", f"dynamo_pd.{role}", "--worker-id", worker_id, *_worker_common(args),
+            *engine_argv, *share]
+
+
+def pool_command(args: argparse.Namespace, engine_argv: list[str], role: str, workers: int,
+                 control: bool = False) -> list[str]:
+    """The command line of one process holding a role's workers, for engines that share one (the mocker);
+    `control`: it takes add / drain commands for single workers (the planner's local connector)."""
+    return [sys.executable, "-m", "dynamo_pd.mocker", "--workers", str(workers), "--role", role,
+            "--worker-id", role, *(["--control"] if control else []), *_worker_common(args), *engine_argv]
 
 
 def core_sets(workers: int, cores: list[int]) -> list[list[int]]:
@@ -265,9 +316,10 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     env = dict(os.environ, **({API_KEY_ENV: args.api_key} if args.api_key else {}))
     # Workers share the cores; without this every process spawns a thread per core and they thrash.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(commands) - 1))))
+    most = args.planner_config.budget if args.planner else len(commands) - 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, most))))
     pins: list[list[int] | None] = [None] * len(commands)
-    if args.pin_cores and engine_entry(args.engine).pinned:
+    if args.pin_cores and engine_entry(args.engine).pinned and not args.planner:
         pins[1:] = core_sets(len(commands) - 1, sorted(os.sched_getaffinity(0)))
     children: list[subprocess.Popen] = []
 
@@ -287,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
                     command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                     preexec_fn=None if cores is None else lambda cores=cores: os.sched_setaffinity(0, cores)))
         configure(args.security)  # _wait_ready reads discovery
+        if args.planner:
+            asyncio.run(_serve_planned(args, engine_argv, discovery_url, children, log_dir, env))
+            return
         infos = asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
@@ -297,6 +352,33 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         _ignore_signals()
         stop_children(children)
+
+
+async def _serve_planned(args: argparse.Namespace, engine_argv: list[str], discovery_url: str,
+                         children: list[subprocess.Popen], log_dir: Path, env: dict[str, str]) -> None:
+    """--planner: its local connector starts the workers through worker_command / pool_command and adds
+    their processes to `children` (stopped with the rest); serve until the frontend exits."""
+    from dynamo_pd.planner.app import serve_local
+    from dynamo_pd.planner.connectors.local import Launch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    drain = argparse.ArgumentParser(add_help=False)
+    drain.add_argument("--drain-timeout-s", type=float, default=30.0)  # the workers' flag, in engine_argv
+    shared = engine_entry(args.engine).shares_process
+    launch = Launch(command=lambda role, worker_id: worker_command(args, engine_argv, role, worker_id),
+                    pool_command=(lambda role: pool_command(args, engine_argv, role, 0, control=True))
+                    if shared else None, env=env, log_dir=log_dir,
+                    drain_timeout_s=drain.parse_known_args(engine_argv)[0].drain_timeout_s,
+                    ready_timeout_s=_READY_TIMEOUT_S)
+
+    def ready(infos: list) -> None:
+        roles = ", ".join(f"{n} {role}" for role, n in initial_counts(args).items())
+        print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 ({roles}; the planner sizes "
+              f"them from here); Ctrl-C stops", flush=True)
+        _report_metrics(args, infos)
+
+    await serve_local(args.planner_config, launch, initial_counts(args), discovery_url, args.namespace,
+                      args.nats, args.security, children[0], children, ready, metrics_host=args.host)
 
 
 def _report_metrics(args: argparse.Namespace, infos: list) -> None:

@@ -1,0 +1,139 @@
+"""The planner's loop: every interval observe, predict, model, decide, and have the connector carry it out.
+
+Each decision is one log line with its reason (WARNING when the SLO cannot be met), the metrics of
+dynamo_pd.planner.metrics and, with --planner-record, a JSON line. A pool whose last scaling call is still
+running is held (its count already includes the workers starting); a call that fails is logged, counted
+and, since the pool is as it was, decided again at the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from dynamo_pd.planner.config import PlannerConfig
+from dynamo_pd.planner.connectors import Connector, ConnectorError
+from dynamo_pd.planner.decide import Decision, PoolPlan, Slo, decide
+from dynamo_pd.planner.metrics import PlannerMetrics
+from dynamo_pd.planner.model import Costs, Limits, Load, PoolModel, State
+from dynamo_pd.planner.observe import Observer, PoolObservation
+from dynamo_pd.planner.predict import LoadForecast
+
+log = logging.getLogger("dynamo_pd.planner")
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, observer: Observer, connector: Connector,
+                 metrics: PlannerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.observer, self.connector, self.metrics = config, observer, connector, metrics
+        self._clock = clock
+        self.forecasts = {pool: LoadForecast(config.predictor) for pool in config.pools}
+        self._limits: dict[str, Limits] = {}  # last known, kept while a pool has no worker
+        self._last_change: dict[str, float] = {}
+        self._scaling: dict[str, asyncio.Task] = {}
+        self._slo = Slo(config.ttft_slo_s, config.itl_slo_s)
+
+    async def run(self) -> None:
+        self.observer.collect(self.config.pools)  # the first interval starts now
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            await self.step()
+
+    async def step(self) -> list[Decision]:
+        observations = self.observer.collect(self.config.pools)
+        for pool, seen in observations.items():
+            self.forecasts[pool].update(seen.interval_s, list(seen.arrivals))
+        try:
+            current = await self.connector.replicas()
+        except ConnectorError as exc:
+            log.error("planner: cannot read the pools' sizes (%s); trying again in %g s", exc,
+                      self.config.interval_s)
+            for pool in self.config.pools:
+                self.metrics.connector_errors.labels(pool).inc()
+            return []
+        plans, loads = [], {}
+        for pool in self.config.pools:
+            plan, loads[pool] = self._plan(observations[pool], current[pool])
+            plans.append(plan)
+        decisions = decide(plans, self.config.budget, self._slo, self.config.cooldown_s, self._clock())
+        for decision in decisions:
+            seen = observations[decision.pool]
+            log.log(logging.WARNING if decision.unmeetable else logging.INFO,
+                    "planner %s: %s (%d requests in %.0f s)", decision.pool, decision.reason,
+                    len(seen.arrivals), seen.interval_s)
+            self.metrics.record(decision, loads[decision.pool], len(seen.workers))
+            if decision.change:
+                self._scale(decision)
+        seconds = self.connector.worker_seconds()
+        if seconds is not None:
+            self.metrics.record_worker_seconds(seconds)
+        if self.config.record is not None:
+            self._record(decisions, observations, loads)
+        return decisions
+
+    def _plan(self, seen: PoolObservation, current: int) -> tuple[PoolPlan, Load | None]:
+        pool, cfg = seen.pool, self.config
+        prefills, decodes = pool != "decode", pool != "prefill"
+        if seen.workers and seen.block_size:
+            self._limits[pool] = Limits(seen.max_num_seqs or 1 << 30, seen.kv_blocks or 1 << 30,
+                                        seen.block_size, cfg.chunk_tokens)
+        costs = seen.costs
+        load = self.forecasts[pool].load(costs.output_tokens or 0.0)
+        missing = ("the last scaling to finish" if pool in self._scaling
+                   else "a worker to register" if pool not in self._limits
+                   else "an interval of load" if load is None
+                   else "prefill step costs (a prompt served)" if prefills and (
+                       costs.prefill_s_per_token is None)
+                   else "decode step costs (a request served)" if decodes and (
+                       costs.decode_s is None or costs.output_tokens is None)
+                   else "")
+        model = None
+        if not missing:
+            step = Costs(costs.prefill_s_per_token or 0.0, costs.decode_s or 0.0,
+                         costs.decode_s_per_block or 0.0)
+            model = PoolModel(step, load, State(seen.queued_prefill_tokens, seen.running), self._limits[pool],
+                              prefills=prefills, decodes=decodes, horizon_s=cfg.interval_s,
+                              attainment=cfg.attainment)
+        return PoolPlan(pool, current, cfg.min_workers(pool), cfg.max_workers(pool), model, missing,
+                        self._last_change.get(pool)), load
+
+    def _scale(self, decision: Decision) -> None:
+        self._last_change[decision.pool] = self._clock()
+        task = asyncio.create_task(self._carry_out(decision))
+        self._scaling[decision.pool] = task
+
+    async def _carry_out(self, decision: Decision) -> None:
+        try:
+            await self.connector.set_replicas(decision.pool, decision.target)
+        except ConnectorError as exc:
+            self.metrics.connector_errors.labels(decision.pool).inc()
+            self._last_change.pop(decision.pool, None)  # nothing changed: no cool-down either
+            log.error("planner %s: scaling %d -> %d failed, the pool is as it was; deciding again in %g s: "
+                      "%s", decision.pool, decision.current, decision.target, self.config.interval_s, exc)
+        finally:
+            self._scaling.pop(decision.pool, None)
+
+    async def wait_scaling(self) -> None:
+        """Until the scaling calls in flight have returned."""
+        await asyncio.gather(*self._scaling.values(), return_exceptions=True)
+
+    def _record(self, decisions: list[Decision], observations: dict[str, PoolObservation],
+                loads: dict[str, Load | None]) -> None:
+        with self.config.record.open("a") as out:
+            for d in decisions:
+                seen, load = observations[d.pool], loads[d.pool]
+                prediction = None if d.prediction is None else {
+                    k: None if v is None or math.isinf(v) else v for k, v in asdict(d.prediction).items()}
+                out.write(json.dumps({
+                    "time": time.time(), "pool": d.pool, "current": d.current, "target": d.target,
+                    "registered": len(seen.workers), "arrivals": len(seen.arrivals),
+                    "interval_s": seen.interval_s,
+                    "queued_prefill_tokens": seen.queued_prefill_tokens, "running": seen.running,
+                    "predicted_rate": None if load is None else load.rate,
+                    "predicted_prompt_tokens": None if load is None else load.mean_prompt_tokens,
+                    "prediction": prediction, "unmeetable": d.unmeetable, "reason": d.reason}) + "\n")

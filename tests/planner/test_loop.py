@@ -1,0 +1,244 @@
+"""The planner's loop on real planes (embedded discovery, the ZMQ event plane): workers' registrations and
+load reports and a router's placements, as those processes put them there, observed and decided on, the
+decisions carried out through the Kubernetes connector against the API's own shapes (k8s_api.py)."""
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import pytest
+from kubernetes.aio import client
+from prometheus_client import generate_latest
+
+from dynamo_pd.planner.config import DISAGGREGATED, PlannerConfig
+from dynamo_pd.planner.connectors.kubernetes import KubernetesConnector
+from dynamo_pd.planner.loop import Planner
+from dynamo_pd.planner.metrics import PlannerMetrics
+from dynamo_pd.planner.observe import Observer
+from dynamo_pd.protocol import LoadMetrics, WorkerInfo
+from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
+from router.load import LoadKey, LoadTracker
+from router.replica_sync import ReplicaSync
+from router.worker import Role
+from tests.planner.k8s_api import FakeApiServer
+
+NS = "plannertest"
+PER_TOKEN = 25e-6  # s: the mocker's 8B model on an H100 prefills 3000 tokens in 75 ms
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def until(condition, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not seen within {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def stage():
+    """Discovery, and a `connect()` giving each stand-in process its own discovery client and event plane."""
+    server = DiscoveryServer()
+    await server.start()
+    opened = []
+
+    async def connect():
+        # a long lease: this host is loaded, and one lost drops the messages sent while it registers again
+        discovery = await connect_discovery(server.url, namespace=NS, ttl_s=15.0)
+        events = await connect_event_plane(None, discovery)
+        opened.append((discovery, events))
+        return discovery, events
+
+    yield connect
+    for discovery, events in reversed(opened):
+        await events.close()
+        await discovery.close()
+    await server.close()
+
+
+@pytest.fixture
+async def api():
+    server = FakeApiServer("serving", {"llm-prefill": 1, "llm-decode": 1})
+    await server.start()
+    yield server
+    await server.close()
+
+
+class Deployment:
+    """What the workers (registrations, load reports) and a frontend's router (placements) publish."""
+
+    def __init__(self, discovery, events) -> None:
+        self.discovery, self.events = discovery, events
+        self.sync = ReplicaSync(LoadTracker(), "frontend-test", send=self._send)
+        self.sent: list[asyncio.Task] = []
+
+    def _send(self, data: bytes) -> None:
+        self.sent.append(asyncio.create_task(self.events.publish(f"{NS}.router.load", data)))
+
+    async def register(self, worker_id: str, role: Role) -> None:
+        await self.discovery.register(WorkerInfo(worker_id=worker_id, role=role, engine="mocker", model="m",
+                                                 rpc_endpoint="tcp://127.0.0.1:1", block_size=16,
+                                                 num_kv_blocks=20_000, max_num_seqs=64))
+
+    async def report(self) -> None:
+        idle = dict(num_running=0, num_waiting=0, num_free_blocks=20_000, num_total_blocks=20_000)
+        for report in (LoadMetrics(worker_id="prefill-0", prefill_s_per_token=PER_TOKEN, output_tokens=1.0,
+                                   **idle),
+                       LoadMetrics(worker_id="decode-0", decode_s=6.6e-3, decode_s_per_block=0.8e-6,
+                                   output_tokens=150.0, **idle)):
+            await self.events.publish(f"{NS}.load.{report.worker_id}", msgspec.msgpack.encode(report))
+
+    async def place(self, count: int, start: int = 0) -> None:
+        for i in range(start, start + count):
+            self.sync.publish("place", LoadKey(f"r{i}", Role.PREFILL), "prefill-0", 3000, 188)
+            self.sync.publish("place", LoadKey(f"r{i}", Role.DECODE), "decode-0", 0, 188)
+        await asyncio.gather(*self.sent)
+
+
+@pytest.fixture
+async def running(stage, api):
+    """A planner's observer following a deployment of one prefill and one decode worker, and a connector."""
+    deployment = Deployment(*await stage())
+    clock = Clock()
+    observer = Observer(*await stage(), namespace=NS, clock=clock)
+    await observer.start()
+    for worker_id, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
+        await deployment.register(worker_id, role)
+    await until(lambda: len(observer.membership.workers) == 2, "both registrations")
+    while len(observer._reports) < 2:  # ZMQ's subscriptions connect shortly after subscribing: report again
+        await deployment.report()
+        await asyncio.sleep(0.05)
+    probe = 0
+    while not observer._arrivals:  # the router's placements, likewise
+        await deployment.place(1, start=probe)
+        probe += 1
+        await asyncio.sleep(0.05)
+    observer.collect(DISAGGREGATED)  # the probes are not the test's load
+    connector = KubernetesConnector(client.ApiClient(client.Configuration(host=api.url)), "serving", "llm",
+                                    DISAGGREGATED)
+    yield deployment, observer, connector, clock
+    await connector.close()
+    await observer.close()
+
+
+def planner_for(observer, connector, clock, **config) -> Planner:
+    config = PlannerConfig(DISAGGREGATED, **{"ttft_slo_s": 0.3, "itl_slo_s": 0.02, "cooldown_s": 0.0,
+                                             **config})
+    return Planner(config, observer, connector, PlannerMetrics(DISAGGREGATED), clock=clock)
+
+
+def rendered(planner: Planner, name: str, pool: str) -> float:
+    text = generate_latest(planner.metrics.registry).decode()
+    line = next((line for line in text.splitlines() if line.startswith(f'{name}{{pool="{pool}"}} ')), None)
+    assert line is not None, f"{name} for {pool} is not rendered"
+    return float(line.split()[-1])
+
+
+async def interval(deployment, observer, clock, requests: int, seconds: float = 10.0) -> None:
+    """`requests` placements on each pool over the next `seconds`, seen by the observer."""
+    await deployment.place(requests, start=1000)
+    seen = lambda: len(observer._arrivals.get("prefill", []))  # noqa: E731
+    await until(lambda: seen() >= requests, f"{requests} placements")
+    clock.t += seconds
+
+
+async def test_load_grows_the_pools_it_needs(running, api, caplog):
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock)
+    await interval(deployment, observer, clock, requests=240)  # 24 req/s of 3000-token prompts
+    with caplog.at_level(logging.INFO, logger="dynamo_pd.planner"):
+        decisions = {d.pool: d for d in await planner.step()}
+        await planner.wait_scaling()
+    prefill = decisions["prefill"]
+    assert prefill.target >= 2  # 1.8 s of prefill a second
+    assert prefill.prediction.ttft_attainment >= 0.95 and prefill.prediction.utilization < 1
+    assert api.replicas == {"llm-prefill": prefill.target, "llm-decode": decisions["decode"].target}
+    assert f"planner prefill: up 1 -> {prefill.target}: the least count meeting the SLO" in caplog.text
+    assert rendered(planner, "dynamo_pd_planner_replicas", "prefill") == prefill.target
+    rate = rendered(planner, "dynamo_pd_planner_predicted_requests_per_second", "prefill")
+    assert rate == pytest.approx(24.0)
+
+
+async def test_an_slo_the_budget_cannot_meet_holds_its_maximum(running, api, caplog):
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock, ttft_slo_s=0.05, budget=5)  # a prompt alone takes 75 ms
+    await interval(deployment, observer, clock, requests=20)
+    with caplog.at_level(logging.INFO, logger="dynamo_pd.planner"):
+        decisions = {d.pool: d for d in await planner.step()}
+        await planner.wait_scaling()
+    assert (decisions["prefill"].target, decisions["decode"].target) == (4, 1)  # the budget, all of it
+    assert decisions["prefill"].unmeetable
+    assert rendered(planner, "dynamo_pd_planner_slo_unmeetable", "prefill") == 1
+    assert rendered(planner, "dynamo_pd_planner_slo_unmeetable", "decode") == 0
+    assert rendered(planner, "dynamo_pd_planner_slo_unmeetable_intervals_total", "prefill") == 1
+    warning = next(r for r in caplog.records if r.levelno == logging.WARNING)
+    assert warning.getMessage().startswith(
+        "planner prefill: up 1 -> 4: SLO unmeetable within the budget: it needs prefill 5 + decode 1 "
+        "workers, over --budget 5; holding the budget's maximum")
+    assert api.replicas == {"llm-prefill": 4, "llm-decode": 1}
+
+
+async def test_a_connector_error_leaves_the_pool_and_is_retried(running, api, caplog):
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock, cooldown_s=300.0)
+    api.failures.append(("PATCH", 500, "InternalError", "etcdserver: request timed out"))
+    await interval(deployment, observer, clock, requests=240)
+    with caplog.at_level(logging.INFO, logger="dynamo_pd.planner"):
+        first = {d.pool: d for d in await planner.step()}
+        await planner.wait_scaling()
+    assert first["prefill"].change > 0
+    assert api.replicas == {"llm-prefill": 1, "llm-decode": 1}  # as it was
+    assert rendered(planner, "dynamo_pd_planner_connector_errors_total", "prefill") == 1
+    failed = f"planner prefill: scaling 1 -> {first['prefill'].target} failed, the pool is as it was"
+    assert failed in caplog.text
+    await interval(deployment, observer, clock, requests=240)
+    second = {d.pool: d for d in await planner.step()}  # no cool-down: nothing had changed
+    await planner.wait_scaling()
+    assert second["prefill"].reason.startswith(f"up 1 -> {second['prefill'].target}")
+    assert api.replicas["llm-prefill"] == second["prefill"].target > 1
+
+
+async def test_an_unreadable_deployment_is_tried_again(running, api, caplog):
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock)
+    api.failures.append(("GET", 503, "ServiceUnavailable", "the server is unable to handle the request"))
+    await interval(deployment, observer, clock, requests=10)
+    with caplog.at_level(logging.ERROR, logger="dynamo_pd.planner"):
+        assert await planner.step() == []
+    unread = ("planner: cannot read the pools' sizes (reading the scale of llm-prefill in namespace serving: "
+              "HTTP 503")
+    assert unread in caplog.text
+    assert rendered(planner, "dynamo_pd_planner_connector_errors_total", "decode") == 1
+    await interval(deployment, observer, clock, requests=10)
+    assert [d.pool for d in await planner.step()] == ["prefill", "decode"]
+
+
+async def test_waits_for_step_costs(stage, api):
+    """Before a worker measured its costs, the planner holds and says what it waits for."""
+    deployment = Deployment(*await stage())
+    clock = Clock()
+    observer = Observer(*await stage(), namespace=NS, clock=clock)
+    await observer.start()
+    await deployment.register("prefill-0", Role.PREFILL)
+    await deployment.register("decode-0", Role.DECODE)
+    await until(lambda: len(observer.membership.workers) == 2, "both registrations")
+    connector = KubernetesConnector(client.ApiClient(client.Configuration(host=api.url)), "serving", "llm",
+                                    DISAGGREGATED)
+    try:
+        planner = planner_for(observer, connector, clock)
+        clock.t += 10
+        decisions = await planner.step()
+        assert [d.reason for d in decisions] == [
+            "hold 1 -> 1: waiting for prefill step costs (a prompt served)",
+            "hold 1 -> 1: waiting for decode step costs (a request served)"]
+        assert [r.method for r in api.requests] == ["GET", "GET"]  # read, nothing patched
+    finally:
+        await connector.close()
+        await observer.close()
