@@ -33,6 +33,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-host-gb", type=float, default=0.0,
+                   help="a host tier below the KV pool, in GiB of pinned RAM: blocks the pool evicts go "
+                        "there and are copied back, not recomputed (it matters when the pool is on a GPU; "
+                        "default 0: none)")
+    g.add_argument("--kv-disk-gb", type=float, default=0.0,
+                   help="a disk tier below the pool (and host tier), GiB of files in --kv-disk-dir; a block "
+                        "goes there once it has been used twice (default 0: none)")
+    g.add_argument("--kv-disk-dir", default=None,
+                   help="where the disk tier keeps its files, in a directory of each worker's own, gone "
+                        "when it stops (default: the system's temporary directory)")
     g.add_argument("--handoff-lease-s", type=float, default=30.0, help="prefill: how long held KV waits for decode")
 
 
@@ -81,6 +91,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
     for flag in ("block_size", "kv_cache_memory_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "handoff_lease_s"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    for flag in ("kv_host_gb", "kv_disk_gb"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     kv_gb = args.kv_cache_memory_gb
     if args.kv_cache_memory_fraction is not None:
         if not 0 < args.kv_cache_memory_fraction <= 1:
@@ -97,6 +110,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_host_gb=args.kv_host_gb,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_dir=args.kv_disk_dir,
         handoff=HandoffTimes(lease_s=args.handoff_lease_s),
         extra=parse_passthrough(passthrough),
     )

@@ -47,6 +47,7 @@ from dynamo_pd.runtime.security import Security
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.worker_metrics import WorkerEndpoint
 from router.events import encode_batch
+from router.load import FetchCosts
 
 if TYPE_CHECKING:
     from kv_transfer.agent import AgentCounters
@@ -218,6 +219,7 @@ class Worker:
                 worker_id=self.worker_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 active_prefill_tokens=stats.num_active_prefill_tokens, **stats.costs._asdict(),
+                **getattr(stats, "fetch", FetchCosts())._asdict(),
             )
             with contextlib.suppress(Exception):  # a momentary event-plane hiccup must not stop serving
                 await self.events.publish(f"{self.config.namespace}.load.{self.worker_id}", _encoder.encode(metrics))

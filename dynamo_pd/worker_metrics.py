@@ -13,8 +13,12 @@ Metrics (docs/operations/metrics.md says which engines omit which):
   dynamo_pd_worker_batch_size               histogram: sequences in one engine step
   dynamo_pd_worker_requests_running         running requests (the engine's scheduler)
   dynamo_pd_worker_requests_waiting         requests waiting to be scheduled
-  dynamo_pd_worker_kv_blocks_used{tier}     KV blocks in use (tier="device": the one tier today)
-  dynamo_pd_worker_kv_blocks_total{tier}    KV blocks of the tier
+  dynamo_pd_worker_kv_blocks_used{tier}     KV blocks in use (tier="device": the pool; "host" and "disk", the
+  dynamo_pd_worker_kv_blocks_total{tier}    tiers below it: blocks they hold) and the tier's capacity
+  dynamo_pd_worker_kv_tier_hits_total{tier}            blocks a lower tier served back to the pool
+  dynamo_pd_worker_kv_onboarded_bytes_total{tier}      their bytes and the time copying them back took
+  dynamo_pd_worker_kv_onboarded_seconds_total{tier}
+  dynamo_pd_worker_kv_tier_corrupt_total{tier}         disk blocks dropped as unreadable (checksum, length)
   dynamo_pd_worker_kv_transfers_total{transport,direction}         finished KV transfers, in: into this
   dynamo_pd_worker_kv_transfer_bytes_total{transport,direction}    worker's blocks, out: from them; their
   dynamo_pd_worker_kv_transfer_seconds_total{transport,direction}  bytes and seconds (Begin to Finish)
@@ -44,6 +48,7 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _REQUEST_TIMEOUT_S = 5.0  # a client that has not sent its request line and headers by then is dropped
 _MAX_HEADER_LINES = 100
 _TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+_TIER_LABELS = {"CPU": "host", "DISK": "disk"}  # a KV event's medium (router.events) -> the tier label
 
 
 class Observed(Protocol):
@@ -197,6 +202,12 @@ class _Snapshot:
         malformed = _counter("side_channel_malformed", "Unreadable KV side-channel messages dropped (server: "
                              "requests, client: replies)", "side")
         torn_down = _counter("nixl_agents_torn_down", "NIXL agents destroyed as a transfer would not end")
+        tier_hits = _counter("kv_tier_hits", "KV blocks a lower tier served back to the pool", "tier")
+        onboarded = _counter("kv_onboarded_bytes", "KV bytes copied back to the pool from a lower tier",
+                             "tier")
+        onboard_s = _counter("kv_onboarded_seconds", "Time copying KV back from a lower tier took", "tier")
+        corrupt = _counter("kv_tier_corrupt", "Lower-tier KV blocks dropped as unreadable (checksum, length)",
+                           "tier")
         for worker in self._workers:
             wid = worker.worker_id
             ready.add_metric([wid], 1.0 if worker.ready else 0.0)
@@ -206,6 +217,14 @@ class _Snapshot:
                 waiting.add_metric([wid], stats.num_waiting)
                 used.add_metric([wid, "device"], stats.num_total_blocks - stats.num_free_blocks)
                 total.add_metric([wid, "device"], stats.num_total_blocks)
+                for use in getattr(stats, "tiers", ()):
+                    tier = [wid, _TIER_LABELS[use.tier]]
+                    used.add_metric(tier, use.blocks)
+                    total.add_metric(tier, use.capacity)
+                    tier_hits.add_metric(tier, use.hits)
+                    onboarded.add_metric(tier, use.onboarded_bytes)
+                    onboard_s.add_metric(tier, use.onboarded_seconds)
+                    corrupt.add_metric(tier, use.corrupt)
                 expiries = getattr(stats, "handoff_expiries", None)
                 if expiries is not None:
                     failures.add_metric([wid, "engine_lease_expired"], expiries)
@@ -224,4 +243,4 @@ class _Snapshot:
             if counters.nixl_agents_torn_down is not None:
                 torn_down.add_metric([wid], counters.nixl_agents_torn_down)
         yield from (ready, running, waiting, used, total, transfers, moved, seconds, failures, malformed,
-                    torn_down)
+                    torn_down, tier_hits, onboarded, onboard_s, corrupt)

@@ -10,7 +10,8 @@ offset, added to the prediction until the next report, so load placed after the 
 A worker whose reports stop (it hangs, or the event plane is down) keeps its offset for
 `HOLD_INTERVALS` report intervals (the gap between its last two reports), then the offset fades
 linearly to 0 over `FADE_INTERVALS` more: a near-full worker gone quiet does not look busy forever.
-A report also carries the worker's measured step costs (StepCosts), which the `time` policy predicts with.
+A report also carries the worker's measured step costs (StepCosts) and KV fetch costs (FetchCosts), which the
+`time` policy predicts with.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class StepCosts(NamedTuple):
     output_tokens: float | None = None
 
 
+class FetchCosts(NamedTuple):
+    """What a worker's KV fetches cost, as it measured them: copying blocks back up from its host or disk
+    tier, and pulling them from a peer; each takes fixed_s + bytes / bytes_per_s. block_bytes: one block's
+    KV. None: not measured yet (or not an engine that fetches)."""
+
+    block_bytes: int | None = None
+    host_bytes_per_s: float | None = None
+    host_fixed_s: float | None = None
+    disk_bytes_per_s: float | None = None
+    disk_fixed_s: float | None = None
+    pull_bytes_per_s: float | None = None
+    pull_fixed_s: float | None = None
+
+
 class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per request
     """The router's view of one worker at the moment of a decision."""
 
@@ -73,6 +88,7 @@ class _Worker:
     blocks_offset: int = 0
     requests_offset: int = 0
     costs: StepCosts = StepCosts()
+    fetch: FetchCosts = FetchCosts()
     reported_at: float | None = None  # clock time of the last report
     report_interval_s: float = 0.0  # gap between the last two reports (0: one report or none yet)
 
@@ -143,6 +159,7 @@ class LoadTracker:
         worker.requests_offset = metrics.num_running + metrics.num_waiting - worker.requests
         worker.costs = StepCosts(metrics.prefill_s_per_token, metrics.decode_s, metrics.decode_s_per_block,
                                  metrics.output_tokens)
+        worker.fetch = FetchCosts(*(getattr(metrics, name) for name in FetchCosts._fields))
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         w = self._worker(worker_id)
@@ -170,6 +187,9 @@ class LoadTracker:
 
     def costs(self, worker_id: WorkerId) -> StepCosts:
         return self._worker(worker_id).costs
+
+    def fetch_costs(self, worker_id: WorkerId) -> FetchCosts:
+        return self._worker(worker_id).fetch
 
     def _worker(self, worker_id: WorkerId) -> _Worker:
         worker = self._workers.get(worker_id)

@@ -32,3 +32,11 @@ class LoadMetrics(msgspec.Struct, kw_only=True):
     decode_s: float | None = None
     decode_s_per_block: float | None = None
     output_tokens: float | None = None
+    # its measured KV fetch costs (router.load.FetchCosts): copying back from its tiers, pulling from a peer
+    block_bytes: int | None = None
+    host_bytes_per_s: float | None = None
+    host_fixed_s: float | None = None
+    disk_bytes_per_s: float | None = None
+    disk_fixed_s: float | None = None
+    pull_bytes_per_s: float | None = None
+    pull_fixed_s: float | None = None

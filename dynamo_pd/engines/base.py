@@ -47,6 +47,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    # KV tiers below the pool (engines/native/tiers.py): pinned host RAM (for a pool on a GPU), then files
+    kv_host_gb: float = 0.0
+    kv_disk_gb: float = 0.0
+    kv_disk_dir: str | None = None  # None: the system's temporary directory
     handoff: HandoffTimes = field(default_factory=HandoffTimes)  # leases and timeouts (--handoff-lease-s)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # engine-specific flags, passed through

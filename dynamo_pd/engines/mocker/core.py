@@ -33,7 +33,8 @@ from dynamo_pd.engines.native.core import EngineCore
 from dynamo_pd.engines.native.grammar import allowed_tokens, huggingface_grammars
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence
-from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
+from dynamo_pd.engines.native.step_costs import FetchCostMeter, StepCostMeter, StepLoad
+from dynamo_pd.engines.native.tiers import Onboarded
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, TokenLogprob
 from router.hashing import token_bytes
@@ -99,7 +100,11 @@ class MockerCore(EngineCore):
             raise ValueError(f"KV cache of {config.kv_cache_memory_gb} GiB holds no {bs}-token block")
         self.kv_cache = torch.zeros((1, 2, num_blocks, bs, 1, KV_HEAD_DIM), dtype=torch.float32)
         self._kv_slots = self.kv_cache.view(2, num_blocks * bs, KV_HEAD_DIM)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        # the tiers hold the stand-in KV, sized (and timed, _onboard_seconds) in the profiled model's bytes
+        block_bytes = profile.kv_bytes_per_token * bs
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching,
+                                          self._tiers(config, block_bytes))
+        self.fetch_costs = FetchCostMeter(block_bytes)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, tuple[Sequence, float]] = {}
@@ -115,9 +120,10 @@ class MockerCore(EngineCore):
         if not batch:
             self.step_s = 0.0
             return []
+        onboard_s = self._onboarded()
         step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])
-        self.step_s = step_ms / 1e3 / self.speedup
-        self.step_costs.observe(StepLoad.of(batch), self.step_s)
+        self.step_costs.observe(StepLoad.of(batch), step_ms / 1e3 / self.speedup)
+        self.step_s = step_ms / 1e3 / self.speedup + onboard_s  # the copies back from the tiers come first
         self._write_kv(batch)
         outputs = []
         for seq, n in batch:
@@ -132,6 +138,9 @@ class MockerCore(EngineCore):
             else:
                 outputs.append(self._append(seq, *self._sample(seq)))
         return outputs
+
+    def _onboard_seconds(self, run: Onboarded) -> float:
+        return self.profile.onboard_s(run.tier, run.blocks * self.block_manager.block_size) / self.speedup
 
     def _write_kv(self, batch: list[tuple[Sequence, int]]) -> None:
         bs = self.block_manager.block_size

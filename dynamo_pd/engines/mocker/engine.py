@@ -94,6 +94,7 @@ class MockerEngine(CoreDriver):
         self.stats = self._core.stats()
         await cancel_and_wait([self._task])
         self._task = None
+        self._core.close()
 
     def _core_or_raise(self) -> MockerCore:
         if self._task is None:

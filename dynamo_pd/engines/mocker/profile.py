@@ -4,7 +4,8 @@ A profile holds two tables, interpolated (and extrapolated) piecewise-linearly o
   prefill_ms[i][j]: one forward pass computing prefill_tokens[i] new tokens of a prompt whose first
                     prefill_cached[j] tokens are already in the KV cache;
   decode_ms[i][j]:  one decode step of decode_batch[i] sequences with decode_context[j] tokens of KV each;
-and the model's KV bytes per token with the prefill -> decode link's bandwidth, for hand-off times.
+and the model's KV bytes per token with the prefill -> decode link's bandwidth, for hand-off times (and
+peer pulls), and the KV tiers' bandwidths back to the GPU: host RAM over PCIe, disk (`onboard_s`).
 A measured profile (same fields, JSON) replaces the default with `--profile PATH`.
 
 The default, `h100_llama8b()`, is Llama-3.1-8B in bf16 on one H100 SXM, from the roofline
@@ -17,7 +18,9 @@ LM head runs only on rows that sample), plus 4 x layers x heads x head_dim FLOPs
 pair of attention; it reads every weight once (15.0 GB) and the KV of every token it attends to
 (128 KiB per token), and writes its new tokens' KV. So a decode step of 1 sequence is memory-bound
 at ~6.6 ms, of 64 sequences at 1k context ~9.8 ms, and prefilling 1k tokens is compute-bound at ~26 ms.
-The link is one 400 Gb/s NIC per GPU (as in a DGX H100) at 80%: 40 GB/s.
+The link is one 400 Gb/s NIC per GPU (as in a DGX H100) at 80%: 40 GB/s. The host tier copies back over
+the GPU's PCIe 5.0 x16 link (64 GB/s a direction) at 80%: 51 GB/s; the disk tier reads one local PCIe 4.0
+NVMe drive (about 7 GB/s sequential) at 80%: 5.6 GB/s. Assumptions too, from the parts' datasheets.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+
+from router.events import TIER_HOST
 
 
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +44,9 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     decode_context: list[int]
     decode_ms: list[list[float]]  # [len(decode_batch)][len(decode_context)]
     kv_bytes_per_token: int  # of the profiled model: KV capacity and hand-off sizes
-    transfer_gb_per_s: float  # prefill -> decode KV bandwidth
+    transfer_gb_per_s: float  # prefill -> decode KV bandwidth (and a peer pull's)
+    host_gb_per_s: float = 51.2  # host tier -> GPU (absent from older profiles: the default's figures)
+    disk_gb_per_s: float = 5.6  # disk tier -> GPU
 
     def __post_init__(self) -> None:
         for axes, table in (((self.prefill_tokens, self.prefill_cached), self.prefill_ms),
@@ -48,8 +55,8 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"profile {self.name!r}: table axes need >= 2 increasing points")
             if len(table) != len(axes[0]) or any(len(row) != len(axes[1]) for row in table):
                 raise ValueError(f"profile {self.name!r}: a table's shape does not match its axes")
-        if self.kv_bytes_per_token <= 0 or self.transfer_gb_per_s <= 0:
-            raise ValueError(f"profile {self.name!r}: kv_bytes_per_token, transfer_gb_per_s must be positive")
+        if min(self.kv_bytes_per_token, self.transfer_gb_per_s, self.host_gb_per_s, self.disk_gb_per_s) <= 0:
+            raise ValueError(f"profile {self.name!r}: kv_bytes_per_token and the bandwidths must be positive")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -73,6 +80,11 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 
     def transfer_s(self, num_tokens: int) -> float:
         return num_tokens * self.kv_bytes_per_token / (self.transfer_gb_per_s * 1e9)
+
+    def onboard_s(self, tier: str, num_tokens: int) -> float:
+        """Copying `num_tokens` tokens' KV back to the GPU from a lower tier (router.events' CPU or DISK)."""
+        rate = self.host_gb_per_s if tier == TIER_HOST else self.disk_gb_per_s
+        return num_tokens * self.kv_bytes_per_token / (rate * 1e9)
 
 
 def _segment(axis: list[int], x: float) -> tuple[int, float]:
@@ -118,6 +130,8 @@ class Gpu:
     memory_efficiency: float = 0.8
     step_overhead_ms: float = 1.0
     link_gb_per_s: float = 40.0  # one 400 Gb/s NIC at 80%
+    host_gb_per_s: float = 51.2  # PCIe 5.0 x16 at 80%
+    disk_gb_per_s: float = 5.6  # one PCIe 4.0 NVMe drive at 80%
 
 
 def roofline_ms(m: ModelShape, gpu: Gpu, new_tokens: float, logit_rows: float, attended: float,
@@ -165,6 +179,7 @@ def first_principles(name: str, m: ModelShape, gpu: Gpu) -> Profile:
         decode_batch=DECODE_BATCH, decode_context=DECODE_CONTEXT,
         decode_ms=[[round(decode_ms(m, gpu, b, k), 4) for k in DECODE_CONTEXT] for b in DECODE_BATCH],
         kv_bytes_per_token=m.kv_bytes_per_token, transfer_gb_per_s=gpu.link_gb_per_s,
+        host_gb_per_s=gpu.host_gb_per_s, disk_gb_per_s=gpu.disk_gb_per_s,
     )
 
 

@@ -4,6 +4,8 @@ A full block, once computed, is offered to the prefix cache under its sequence h
 (router.hashing: chained, salted by cache_salt) and a BlockStored event is recorded. Freed
 blocks keep their hash and wait in the free list, oldest first; allocating one that still has
 a hash evicts it (BlockRemoved). Unhashed free blocks are handed out before cached ones.
+With tiers (tiers.py) an evicted block is copied down first, and `admit` copies a prefix's blocks that a
+lower tier holds back up (`lower_hits` finds them) instead of having them recomputed.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ import threading
 from collections import OrderedDict
 
 from dynamo_pd.engines.native.sequence import Sequence
+from dynamo_pd.engines.native.tiers import KVTiers
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tiers: KVTiers | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers if enable_prefix_caching else None
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.hit = [False] * num_blocks  # reused by a prefix hit since cached (the tiers' frequency filter)
         self.cached: dict[int, int] = {}  # sequence hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         self._events: list[KVEvent] = []
@@ -55,8 +61,21 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
-        """Give a sequence with no blocks the cached `hits` plus new blocks up to `num_tokens`."""
+    def lower_hits(self, seq: Sequence, start: int, max_tokens: int) -> int:
+        """How many of `seq`'s blocks from block `start` on (within its first `max_tokens` tokens) the lower
+        tiers hold in a row (none of them in the pool)."""
+        if self.tiers is None:
+            return 0
+        count = 0
+        for h in seq.full_block_hashes(max_tokens // self.block_size)[start:]:
+            if h in self.cached or self.tiers.find(h) is None:
+                break
+            count += 1
+        return count
+
+    def admit(self, seq: Sequence, hits: list[int], num_tokens: int, lower: int = 0) -> bool:
+        """Give a sequence with no blocks the cached `hits` plus new blocks up to `num_tokens`, the first
+        `lower` of them copied back from the tiers (as many as can be: the rest are computed)."""
         new = self.blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         if new > len(self.free) - revived:
@@ -65,11 +84,27 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.free[block]
             self.ref_counts[block] += 1
+            self.hit[block] = True
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
         self._allocate(seq, new)
+        if lower:
+            self._onboard(seq, len(hits), lower)
         return True
+
+    def _onboard(self, seq: Sequence, start: int, count: int) -> None:
+        table, hashes = seq.block_table, seq.block_hashes
+        done, events = self.tiers.onboard([(hashes[i], table[i]) for i in range(start, start + count)])
+        for i in range(start, start + done):
+            self.block_hash[table[i]] = hashes[i]
+            self.cached[hashes[i]] = table[i]
+            self.hit[table[i]] = True  # reused: it goes back down to disk when evicted again
+        for event in events:
+            self._record(event)
+        self._record_stored(seq, list(range(start, start + done)))
+        seq.num_committed_blocks = start + done
+        seq.num_computed_tokens = (start + done) * self.block_size
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table cover `num_tokens`; False when the free list is too short."""
@@ -80,7 +115,7 @@ class BlockManager:
         return True
 
     def _allocate(self, seq: Sequence, count: int) -> None:
-        evicted = []
+        evicted, moved = [], []
         for _ in range(count):
             block, _ = self.free.popitem(last=False)
             h = self.block_hash[block]
@@ -88,21 +123,45 @@ class BlockManager:
                 del self.cached[h]
                 self.block_hash[block] = None
                 evicted.append(h)
+                if self.tiers is not None:  # copied down before its memory is reused
+                    moved += self.tiers.offload(h, block, self.hit[block])
+            self.hit[block] = False
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         if evicted:
             self._record(BlockRemoved(block_hashes=evicted))
+        for event in moved:
+            self._record(event)
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; tail blocks first, so they are evicted before shared prefixes."""
-        for block in reversed(seq.block_table):
+        self.unpin(seq.block_table)
+        seq.block_table = []
+        seq.num_committed_blocks = 0
+
+    def pin(self, hashes: list[int]) -> list[int]:
+        """Take a reference on the cached blocks holding the longest prefix of `hashes` (a peer reads them):
+        they stay until `unpin`."""
+        blocks = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            self.hit[block] = True  # a peer reuses it
+            blocks.append(block)
+        return blocks
+
+    def unpin(self, blocks: list[int]) -> None:
+        """Drop one reference on each of `blocks`, the last first (the eviction order `release` keeps)."""
+        for block in reversed(blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
                 if self.block_hash[block] is None:
                     self.free.move_to_end(block, last=False)
-        seq.block_table = []
-        seq.num_committed_blocks = 0
 
     def commit(self, seq: Sequence) -> None:
         """Offer `seq`'s newly computed full blocks to the prefix cache."""
@@ -136,7 +195,9 @@ class BlockManager:
         ))
 
     def reset_prefix_cache(self) -> None:
-        """Forget every hash (blocks in use keep their data, they just stop being shareable)."""
+        """Forget every hash, the tiers' too (blocks in use keep their data, they stop being shareable)."""
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.tiers is not None:
+            self.tiers.clear()
         self._record(AllBlocksCleared())

@@ -23,7 +23,8 @@ from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
-from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
+from dynamo_pd.engines.native.step_costs import FetchCostMeter, StepCostMeter, StepLoad
+from dynamo_pd.engines.native.tiers import KVTiers, Onboarded, TierConfig, TierUse
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.handoff_kinds import EngineHandoff, HeldKV, PushHandoff
 from dynamo_pd.protocol import (
@@ -33,7 +34,7 @@ from dynamo_pd.protocol import (
     PromptTooLongError,
     TokenLogprob,
 )
-from router.load import StepCosts
+from router.load import FetchCosts, StepCosts
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -56,6 +57,8 @@ class EngineStats:
     num_preemptions: int = 0
     handoff_expiries: int = 0
     costs: StepCosts = StepCosts()  # what its steps cost, measured (step_costs.py)
+    fetch: FetchCosts = FetchCosts()  # what fetching KV costs it (tiers, peers), measured (step_costs.py)
+    tiers: tuple[TierUse, ...] = ()  # each lower tier's blocks and what it served (tiers.py)
 
 
 class EngineCore:
@@ -84,7 +87,10 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"KV cache of {config.kv_cache_memory_gb} GiB holds no {bs}-token block")
         self.kv_cache = allocate_kv_cache(model, num_blocks, bs, dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        block_bytes = kv_bytes_per_block(model, bs, dtype)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching,
+                                          self._tiers(config, block_bytes))
+        self.fetch_costs = FetchCostMeter(block_bytes)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, bs, self.device)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -93,6 +99,16 @@ class EngineCore:
         self.handoff_expiries = 0
         self.stalled = False  # the last step found work but could schedule none of it
         self.step_costs = StepCostMeter()
+
+    def _tiers(self, config: EngineConfig, block_bytes: int) -> KVTiers | None:
+        """The tiers below the pool, sized in `block_bytes` blocks; None without any."""
+        tiers = TierConfig.of(config.kv_host_gb, config.kv_disk_gb, config.kv_disk_dir, block_bytes)
+        return KVTiers(self.kv_cache, tiers, config.block_size) if tiers.enabled else None
+
+    def close(self) -> None:
+        """The engine stops: the disk tier's writer ends and its files go."""
+        if self.block_manager.tiers is not None:
+            self.block_manager.tiers.close()
 
     # ---- requests in
 
@@ -167,6 +183,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
+        onboard_s = self._onboarded()
         # Work that cannot run yet (blocks held by hand-offs or loads) waits for a command, not a spin.
         self.stalled = not batch
         if not batch:
@@ -186,8 +203,27 @@ class EngineCore:
                 outputs.append(self._append(seq, given, None, echo=True))
             else:
                 outputs.append(self._append(seq, token, logprob))
-        self.step_costs.observe(load, time.perf_counter() - started)
+        self.step_costs.observe(load, time.perf_counter() - started - onboard_s)  # the model's share of it
         return outputs
+
+    def _onboarded(self) -> float:
+        """Seconds this step's admissions spent copying blocks back from the tiers, each copy measured."""
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return 0.0
+        total = 0.0
+        for run in tiers.take_onboarded():
+            seconds, nbytes = self._onboard_seconds(run), run.blocks * self.fetch_costs.block_bytes
+            self.fetch_costs.tiers[run.tier].observe(nbytes, seconds)
+            use = tiers.use[run.tier]
+            use.onboarded_bytes += nbytes
+            use.onboarded_seconds += seconds
+            total += seconds
+        return total
+
+    def _onboard_seconds(self, run: Onboarded) -> float:
+        """How long a copy-back took (the mocker's: its profile's time)."""
+        return run.seconds
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, echo: bool = False) -> EngineOutput:
         out = seq.append(token, logprob, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
@@ -272,4 +308,6 @@ class EngineCore:
             num_preemptions=sched.num_preemptions,
             handoff_expiries=self.handoff_expiries,
             costs=self.step_costs.costs(),
+            fetch=self.fetch_costs.costs(),
+            tiers=bm.tiers.usage() if bm.tiers is not None else (),
         )

@@ -49,6 +49,7 @@ class NativeEngine(CoreDriver):
         self._commands.put(self._shutdown)
         await asyncio.to_thread(self._thread.join, _REPLY_TIMEOUT_S)
         self._thread = None
+        await asyncio.to_thread(self._core.close)
 
     def _core_or_raise(self) -> EngineCore:
         if self._core is None or self._thread is None:

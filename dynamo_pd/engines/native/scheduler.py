@@ -66,12 +66,13 @@ class Scheduler:
                     break
                 continue
             hits = self.bm.prefix_hits(seq, len(seq.token_ids) - 1)  # compute >= 1 token for logits
-            cached = len(hits) * self.bm.block_size
+            lower = self.bm.lower_hits(seq, len(hits), len(seq.token_ids) - 1)  # copied back from the tiers
+            cached = (len(hits) + lower) * self.bm.block_size
             n = min(len(seq.token_ids) - cached, budget)
-            if not self.bm.admit(seq, hits, cached + n):
+            if not self.bm.admit(seq, hits, cached + n, lower):
                 break
             if seq.num_cached_tokens is None:  # first admission; a recompute does not count
-                seq.num_cached_tokens = cached
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -12,6 +12,10 @@ ratio of what the steps with prefill took beyond that line to the tokens they pr
 prefill worker a token carries its share of the step overhead): the figures always add up to the
 step times seen. output_tokens: the weighted mean per finished request (1 on a prefill worker).
 prefill_s_per_token and output_tokens are None until a prefill step ran, a request finished.
+
+FetchCostMeter: what fetching KV costs (router.load.FetchCosts): copying blocks back from each lower tier and
+pulling them from a peer, each as a fixed cost (the peer's hold round trip; 0 for a tier) and a rate (the
+weighted mean of bytes over that of seconds), the same weighting as the steps'.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from dynamo_pd.engines.native.scheduler import ScheduledBatch
-from router.load import StepCosts
+from router.events import TIER_DISK, TIER_HOST
+from router.load import FetchCosts, StepCosts
 
 DECAY = 0.02  # the newest observation's weight: about the last 50 steps (or requests) count
 
@@ -77,3 +82,31 @@ class StepCostMeter:
         # a ridge of one block^2: no slope from steps of (nearly) one size, the least-squares one once B varies
         slope = max(0.0, (bs / w - mean_b * mean_s) / (bb / w - mean_b * mean_b + 1.0))
         return max(0.0, mean_s - slope * mean_b), slope
+
+
+class RateMeter:
+    """Moves of bytes: weighted means of 1, bytes, seconds moving them, and the fixed seconds around them."""
+
+    def __init__(self) -> None:
+        self._means = [0.0] * 4
+
+    def observe(self, nbytes: int, seconds: float, fixed_s: float = 0.0) -> None:
+        _mix(self._means, (1.0, nbytes, seconds, fixed_s))
+
+    def figures(self) -> tuple[float | None, float | None]:
+        """(bytes per second, fixed seconds); None, None until a move was seen."""
+        weight, nbytes, seconds, fixed = self._means
+        if not weight or seconds <= 0:
+            return None, None
+        return nbytes / seconds, fixed / weight
+
+
+class FetchCostMeter:
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes  # one block's KV (the mocker's: its profiled model's)
+        self.tiers = {TIER_HOST: RateMeter(), TIER_DISK: RateMeter()}
+        self.pull = RateMeter()
+
+    def costs(self) -> FetchCosts:
+        host, disk = self.tiers[TIER_HOST].figures(), self.tiers[TIER_DISK].figures()
+        return FetchCosts(self.block_bytes, *host, *disk, *self.pull.figures())
