@@ -13,6 +13,10 @@ An optional salt (LoRA name, cache salt) starts the chain from a salted root ins
     seq[0]  = xxh3_64(le_u64(root) + le_u64(local[0]), seed=1337)
 
 so salted and unsalted prefixes never share blocks while local hashes stay salt-free.
+
+A list or tuple of token ids is hashed by router/_index.c where the install built it (the prompt's hashes
+are on every request's path; the same xxh3, from the xxhash package's own extension), anything else (numpy
+arrays) and every build without it by the Python below; tests/router/test_hashing.py runs both.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ import xxhash
 HASH_SEED = 1337
 _PAIR = struct.Struct("<QQ")
 _xxh3 = xxhash.xxh3_64_intdigest
+
+try:
+    from router._index import block_hashes as _c_block_hashes, local_hashes as _c_local_hashes
+except ImportError:  # not built (router.indexer says so), or the xxhash extension exports no xxh3
+    _c_block_hashes = _c_local_hashes = None
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -59,6 +68,8 @@ def salt_root(salt: str | None) -> int | None:
 
 def local_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Local hashes of every full block of `token_ids`."""
+    if _c_local_hashes is not None and type(token_ids) in (list, tuple):
+        return _c_local_hashes(token_ids, block_size)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     data = memoryview(token_bytes(token_ids))
@@ -85,4 +96,12 @@ def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> l
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """Sequence hashes of every full block of a prompt (the router's and indexer's key)."""
-    return sequence_hashes(local_block_hashes(token_ids, block_size), salt_root(salt))
+    return chained_block_hashes(token_ids, block_size, salt_root(salt))
+
+
+def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: int | None) -> list[int]:
+    """Sequence hashes of every full block of `token_ids`, continuing from `parent` (a seq hash or salt root):
+    sequence_hashes(local_block_hashes(token_ids, block_size), parent) at once."""
+    if _c_block_hashes is not None and type(token_ids) in (list, tuple):
+        return _c_block_hashes(token_ids, block_size, parent)
+    return sequence_hashes(local_block_hashes(token_ids, block_size), parent)

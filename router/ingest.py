@@ -40,7 +40,7 @@ from router.events import (
     decode_for_ingest,
     stored_tokens,
 )
-from router.hashing import local_block_hashes, salt_root, sequence_hashes
+from router.hashing import chained_block_hashes, salt_root
 from router.indexer import IndexerSnapshot, KvIndexer, WorkerId
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ class EventIngestor:
                 else:
                     self.stats.unknown_parent += 1
                     return
-        project = sequence_hashes(local_block_hashes(tokens, size), parent)
+        project = chained_block_hashes(tokens, size, parent)
         to_project = state.engine_to_project
         for engine_hash, project_hash in zip(event.block_hashes, project):
             if engine_hash != project_hash:
