@@ -7,6 +7,10 @@ engine name: no offer -> send the decode request after the prefill's first outpu
 output carries; an offer -> `offer.for_request(...)` goes to prefill and decode at once. Whose first token
 the client gets is the hand-off's `first_token_from_decode`.
 
+Peer prefixes (any role of an engine that lends them, Engine.peer_prefixes): the manager lends the engine's
+cached prefixes to peers through its agent (they pin and read them, kv_transfer's HoldPrefix) and is the
+engine's prefix_loader, reading the prefix a request's kv_prefix names from the peer that holds it.
+
 Times: every lease and timeout of a hand-off comes from HandoffTimes (the user's --handoff-lease-s and the
 KV transfer timeout) and `together_timeouts` (the frontend's first-response bound).
 """
@@ -29,9 +33,10 @@ from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
 from kv_transfer.config import TransferConfig
 from kv_transfer.protocol import ReleaseReason, TransferError
 from kv_transfer.side_channel import Guard, Plain
+from router.hashing import block_hashes
 
 if TYPE_CHECKING:  # imported in start(): see there
-    from kv_transfer.agent import KVTransferAgent
+    from kv_transfer.agent import KVTransferAgent, PrefixPull
 
 log = logging.getLogger("dynamo_pd.handoff")
 _encoder = msgspec.msgpack.Encoder()
@@ -115,10 +120,32 @@ class HandoffManager:
             config = dataclasses.replace(self.times.transfer_config(self._transport), **self._place)
             self.agent = KVTransferAgent(self.worker_id, memory, config)
             await self.agent.start()
+            if getattr(engine, "peer_prefixes", False):  # Engine.peer_prefixes
+                self.agent.prefix_source = _EnginePrefixes(engine)
+                engine.prefix_loader = self.load_prefix
 
     async def close(self) -> None:
         if self.agent is not None:
             await self.agent.close()
+
+    async def lend_while_draining(self, handed: int) -> int:
+        """Draining: `handed` requests were just cut for migration, and their new workers may read the KV they
+        computed here (the frontend offers it, router.consider_peer). Wait until that many prefixes were lent
+        and every one returned, or a transfer timeout passed with none coming; returns how many were lent."""
+        prefixes = self.agent.prefix_source if self.agent is not None else None
+        if not isinstance(prefixes, _EnginePrefixes) or not handed:
+            return 0
+        loop = asyncio.get_running_loop()
+        start, deadline = prefixes.lent, loop.time() + self.times.transfer_timeout_s
+        while prefixes.lent - start < handed or prefixes.out:
+            prefixes.changed.clear()
+            if prefixes.out:  # a read in flight ends by its own lease, whatever happens to the reader
+                deadline = max(deadline, loop.time() + self.times.transfer_timeout_s)
+            try:
+                await asyncio.wait_for(prefixes.changed.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                break
+        return prefixes.lent - start
 
     def register(self, info: WorkerInfo) -> WorkerInfo:
         """What decode workers and the frontend need: the KV layout, the agent's endpoint, the offer."""
@@ -126,7 +153,8 @@ class HandoffManager:
             return msgspec.structs.replace(info, handoff_offer=self._engine.handoff_offer())
         push = PushHandoff(worker_id=self.worker_id, peer_endpoint=self.agent.endpoint) if self._offer_push else None
         return msgspec.structs.replace(info, kv_layout=_encoder.encode(self.agent.memory.layout),
-                                       kv_endpoint=self.agent.endpoint, handoff_offer=push)
+                                       kv_endpoint=self.agent.endpoint, handoff_offer=push,
+                                       kv_peer_prefixes=self.agent.prefix_source is not None)
 
     async def serve(self, request: EngineRequest, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
         """The engine's outputs for `request`, with its hand-off done; returns once it has ended. Every
@@ -206,6 +234,18 @@ class HandoffManager:
         self._moved[handoff.request_id] = TransferStats(moved, time.perf_counter() - start)
         return None
 
+    async def load_prefix(self, request: EngineRequest, local_block_ids: list[int],
+                          cached_blocks: int) -> PrefixPull:
+        """Any role that computes a prompt: the engine's prefix_loader. Reads the prefix request.kv_prefix
+        names from the peer that holds it into `local_block_ids` (the prefix's blocks from block 0), past the
+        `cached_blocks` the engine has."""
+        size = self.agent.memory.layout.block_size
+        tokens = request.prompt_token_ids + request.resume_token_ids
+        hashes = block_hashes(tokens[:len(local_block_ids) * size], size, request.cache_salt)
+        hold_id = f"{request.request_id}@{self.worker_id}"
+        return await self.agent.pull_prefix(request.kv_prefix.endpoint, hold_id, hashes,
+                                            local_block_ids[cached_blocks:], skip_blocks=cached_blocks)
+
     async def _receive_push(self, handoff: PushHandoff, local_block_ids: list[int], cached_blocks: int) -> int:
         """DECODE, push: reserve the blocks this worker lacks, tell the prefill worker where they are,
         and wait until it has filled them; returns the first token it sent along."""
@@ -233,3 +273,29 @@ class HandoffManager:
         self._moved[rid] = TransferStats(len(blocks) * self.agent.memory.layout.block_bytes,
                                          max(0.0, time.time() - started))
         return first_token_id
+
+
+class _EnginePrefixes:
+    """The engine's cached prefixes lent to peers (kv_transfer.agent.PrefixSource), counted."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self.lent = 0  # prefixes pinned for a peer so far
+        self.out: set[str] = set()  # pinned now
+        self.changed = asyncio.Event()  # set whenever a prefix is returned
+
+    async def pin(self, pin_id: str, block_hashes: list[int]) -> list[int] | None:
+        blocks = await self._engine.pin_prefix(pin_id, block_hashes)
+        if blocks:
+            self.lent += 1
+            self.out.add(pin_id)
+        return blocks
+
+    def unpin(self, pin_id: str) -> None:
+        self._engine.unpin_prefix(pin_id)
+        self._loop.call_soon_threadsafe(self._returned, pin_id)
+
+    def _returned(self, pin_id: str) -> None:
+        self.out.discard(pin_id)
+        self.changed.set()

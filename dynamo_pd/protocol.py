@@ -85,6 +85,16 @@ class StopConditions(msgspec.Struct, kw_only=True):
                                       "stop_token_ids")
 
 
+class PeerPrefix(msgspec.Struct, kw_only=True, frozen=True):
+    """A prefix of the request's tokens (prompt, then resumed ones) whose KV a peer worker holds: read from it
+    before the rest is computed, because the router predicted that to be sooner than recomputing it (or a
+    drained worker hands a migrated request its KV)."""
+
+    worker_id: str
+    endpoint: str  # the peer's KV transfer agent (its side channel)
+    num_blocks: int  # leading full blocks it holds
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -96,6 +106,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # tokens generated on a worker that failed (migration): computed with the prompt, then continued as
     # though sampled here (max_tokens, penalties, seeded draws, stop strings, the text already streamed)
     resume_token_ids: list[int] = []
+    kv_prefix: PeerPrefix | None = None  # the worker that prefills reads this prefix from a peer first
 
     def validate(self) -> None:
         if not self.prompt_token_ids:
@@ -171,6 +182,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 0
     max_model_len: int = 0
     resumes: bool = False  # its engine continues a migrated request (EngineRequest.resume_token_ids)
+    kv_peer_prefixes: bool = False  # it lends its cached prefixes to peers and reads theirs (kv_prefix)
     metrics_endpoint: str = ""  # http://HOST:PORT serving its /metrics, /health and /ready ("": none)
 
 

@@ -22,6 +22,13 @@ Push mode (SGLang style):
     decode's on_release gets DONE and the payload once the blocks are filled (keep them), anything
     else: free them. The prefill caller frees its own blocks after push returns or raises.
 
+Peer pull (a prefix a peer has, read instead of recomputed):
+    holder:  agent.prefix_source = ...      # pins and unpins cached blocks by hash (PrefixSource)
+    puller:  pulled = await agent.pull_prefix(holder_endpoint, rid, hashes, local_block_ids, skip_blocks=n)
+    The holder pins the longest prefix of the hashes it holds (or refuses, PeerBusyError) under a hold whose
+    lease is the transfer timeout, so a puller that dies leaves no pin behind; pulled.blocks says how far the
+    prefix now goes in local_block_ids (the holder may have had fewer blocks than asked).
+
 on_release runs on the agent's event loop, or in the thread that called release().
 `agent.counters()` says what it moved (each side of a transfer counts it once: the initiator, and the holder
 from the byte count the initiator's Finish carries) and why hand-offs failed, for a worker's /metrics.
@@ -37,15 +44,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from kv_transfer.layout import block_regions
 from kv_transfer.memory import STAGING, KVMemory
 from kv_transfer.plan import pull_plan, push_plan
 from kv_transfer.protocol import (
-    Begin, BlocksFreedError, CompatError, Fetch, Finish, GetMetadata, LeaseExpiredError, Pack, PeerLostError,
-    ReleaseReason, Reply, Request, Reserve, TransferDescriptor, TransferError, Write, raise_for,
+    Begin, BlocksFreedError, CompatError, Fetch, Finish, GetMetadata, HoldPrefix, LeaseExpiredError, Pack,
+    PeerBusyError, PeerLostError, ReleaseReason, Reply, Request, Reserve, TransferDescriptor, TransferError,
+    Write, raise_for,
 )
 from kv_transfer.config import TransferConfig
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer, max_message_bytes
@@ -57,6 +67,8 @@ OnRelease = Callable[[str, ReleaseReason, bytes], None]  # (request id, why, the
 _ENDED_MEMORY = 4096  # recently ended holds remembered, to tell "expired" from "freed"
 MAX_RESERVED = 4096  # push mode: unclaimed Reserves kept at once; more are refused
 _SWEEP_S = 0.02
+_desc_encoder = msgspec.msgpack.Encoder()
+_desc_decoder = msgspec.msgpack.Decoder(TransferDescriptor)
 # Why a hand-off failed here. As the initiator (a pull or push this side ran, or a push rendezvous): by the
 # error it raised; as the holder: how a hold ended other than DONE (hold_error: the peer reported a failure).
 FAILURE_REASONS = ("compat", "lease_expired", "blocks_freed", "peer_lost", "transfer_error", "cancelled",
@@ -75,6 +87,39 @@ class Moved:
     seconds: float = 0.0
 
 
+@dataclass
+class PeerPulls:
+    """Prefixes read from peers (this side pulling) and held for them (this side holding)."""
+
+    pulled: int = 0  # pulls that ended well
+    bytes: int = 0
+    seconds: float = 0.0  # HoldPrefix to the end of the read
+    refused: int = 0  # the holder was busy
+    failed: int = 0  # any other failure (the prefix is recomputed)
+    served: int = 0  # prefixes this side pinned for a peer
+    declined: int = 0  # HoldPrefix requests this side refused as busy
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """What one peer pull did."""
+
+    blocks: int  # leading blocks of the prefix the puller now has (its own skipped ones included)
+    nbytes: int
+    hold_s: float  # the HoldPrefix round trip: a pull's fixed cost
+    pull_s: float  # moving the bytes
+
+
+class PrefixSource(Protocol):
+    """What pins prefixes for peers: an engine's cached blocks, by router.hashing's sequence hashes."""
+
+    async def pin(self, pin_id: str, block_hashes: list[int]) -> list[int] | None:
+        """Reference the blocks holding the longest prefix of `block_hashes` ([] if none); None: busy."""
+
+    def unpin(self, pin_id: str) -> None:
+        """Drop what `pin` took (from any thread; nothing when it took nothing)."""
+
+
 @dataclass(frozen=True)
 class AgentCounters:
     """What an agent has moved and what went wrong, since it started."""
@@ -85,6 +130,7 @@ class AgentCounters:
     malformed_requests: int  # side-channel messages its server dropped or refused as unreadable
     malformed_replies: int  # side-channel replies its client dropped as unreadable
     nixl_agents_torn_down: int | None  # NIXL agents destroyed as a transfer would not end; None: not NIXL
+    peer: PeerPulls = field(default_factory=PeerPulls)
 
 
 @dataclass
@@ -118,6 +164,8 @@ class KVTransferAgent:
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # push mode: rooms the prefill stopped waiting on
         self._moved = {"in": Moved(), "out": Moved()}
         self._failures = dict.fromkeys(FAILURE_REASONS, 0)
+        self._peer = PeerPulls()
+        self.prefix_source: PrefixSource | None = None  # set by a worker that lends its prefixes to peers
 
     @property
     def endpoint(self) -> str:
@@ -149,9 +197,10 @@ class KVTransferAgent:
         with self._lock:
             moved = {way: Moved(m.count, m.bytes, m.seconds) for way, m in self._moved.items()}
             failures = dict(self._failures)
+            peer = PeerPulls(**vars(self._peer))
         server_malformed = self._server.malformed if self._server else 0
         return AgentCounters(self.transport.name, moved, failures, server_malformed, self._client.malformed,
-                             getattr(self.transport, "torn_down", None))
+                             getattr(self.transport, "torn_down", None), peer)
 
     def _count_moved(self, way: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -269,6 +318,8 @@ class KVTransferAgent:
             return Reply(True, payload=self.transport.metadata())
         if isinstance(request, Reserve):
             return self._reserve(request)
+        if isinstance(request, HoldPrefix):
+            return await self._hold_prefix(request)
         with self._lock:
             hold = self._holds.get(request.request_id)
         if hold is not None and hold.deadline < time.monotonic():  # expired, the sweeper not yet by
@@ -315,6 +366,32 @@ class KVTransferAgent:
                 ending = hold.ending if hold.busy == 0 else None
             if ending is not None:
                 self._release(request.request_id, hold, *ending)
+
+    async def _hold_prefix(self, request: HoldPrefix) -> Reply:
+        """Pin what the engine has of a prefix and hold it for the peer, leased for one transfer timeout."""
+        source, rid = self.prefix_source, request.request_id
+        if source is None:
+            return Reply(False, "bad_request", f"{self.engine_id} lends no prefixes to peers")
+        with self._lock:
+            taken = rid in self._holds
+        if taken:
+            return Reply(False, "bad_request", f"{rid!r} is already held at {self.engine_id}")
+        blocks = await source.pin(rid, request.block_hashes)
+        if blocks is None:
+            with self._lock:
+                self._peer.declined += 1
+            return Reply(False, "busy", f"{self.engine_id} is too busy to hold a prefix for a peer")
+        if not blocks:
+            return Reply(False, "freed", f"{self.engine_id} holds none of that prefix")
+        try:
+            desc = self.hold(rid, blocks, len(blocks) * self.memory.layout.block_size,
+                             lambda *_: source.unpin(rid), lease_s=self.config.timeout_s)
+        except ValueError as exc:
+            source.unpin(rid)
+            return Reply(False, "bad_request", str(exc))
+        with self._lock:
+            self._peer.served += 1
+        return Reply(True, payload=_desc_encoder.encode(desc))
 
     def _reserve(self, request: Reserve) -> Reply:
         rid, target = request.request_id, request.target
@@ -371,6 +448,43 @@ class KVTransferAgent:
             raise ValueError(f"descriptor for {desc.request_id!r} is not a push target; call pull()")
         return await self._transfer(desc, timeout_s, lambda: push_plan(desc, self.memory, local_block_ids),
                                     reading=False, payload=payload)
+
+    async def pull_prefix(self, endpoint: str, request_id: str, block_hashes: Sequence[int],
+                          local_block_ids: Sequence[int], skip_blocks: int = 0,
+                          timeout_s: float | None = None) -> PrefixPull:
+        """Read from the agent at `endpoint` what it holds of the prefix `block_hashes` past the `skip_blocks`
+        this side has, into `local_block_ids` (blocks [skip_blocks, len(block_hashes)) of the prefix). Raises
+        PeerBusyError when the holder refuses, else as pull(); the holder unpins whatever happens."""
+        timeout = timeout_s or self.config.timeout_s
+        started = time.perf_counter()
+        try:
+            try:
+                asked = HoldPrefix(request_id, list(block_hashes))
+                reply = raise_for(await self._client.call(endpoint, asked, timeout))
+            except PeerLostError:
+                self._client.forget(endpoint)
+                raise
+            desc = _desc_decoder.decode(reply.payload)
+            hold_s = time.perf_counter() - started
+            held = len(desc.block_ids)
+            if held <= skip_blocks:  # nothing this side lacks: let the holder unpin now
+                await self._finish(desc, True, "nothing to read", timeout)
+                return PrefixPull(skip_blocks, 0, hold_s, 0.0)
+            nbytes = await self.pull(desc, local_block_ids[:held - skip_blocks],
+                                     skip_prefix_blocks=skip_blocks, timeout_s=timeout)
+        except BaseException as exc:
+            with self._lock:
+                if isinstance(exc, PeerBusyError):
+                    self._peer.refused += 1
+                else:
+                    self._peer.failed += 1
+            raise
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self._peer.pulled += 1
+            self._peer.bytes += nbytes
+            self._peer.seconds += seconds
+        return PrefixPull(held, nbytes, hold_s, seconds - hold_s)
 
     # -- push-mode rendezvous ---------------------------------------------------------------------
 

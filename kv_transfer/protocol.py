@@ -9,6 +9,10 @@ Push (SGLang style): decode holds writable blocks and sends their descriptor to 
     (Reserve, keyed by the request id both sides share: the "room"); prefill waits for it, calls
     await agent.push(desc, its_blocks, payload=...); decode's on_release fires with DONE and the
     payload (the first token) once the blocks are filled.
+Peer pull (a prefix one worker holds, read by another instead of recomputed):
+    puller:  await agent.pull_prefix(holder_endpoint, rid, block_hashes, my_blocks, skip_blocks=n)
+             = HoldPrefix (the holder pins the longest prefix of the hashes it has, or refuses: busy)
+             -> the pull above over the descriptor it returns -> Finish (the holder unpins them)
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class PeerLostError(TransferError):
     """The peer did not answer in time or its transport failed (process died, network down)."""
 
 
+class PeerBusyError(TransferError):
+    """The holder refused to pin a prefix for a peer now (it serves others, or its pool is short)."""
+
+
 class Begin(msgspec.Struct, tag=True):
     """Initiator -> holder: pin the hold for the duration of a transfer."""
 
@@ -115,24 +123,33 @@ class Pack(msgspec.Struct, tag=True):
     block_ids: list[int]
 
 
+class HoldPrefix(msgspec.Struct, tag=True):
+    """Puller -> holder: pin the cached blocks holding the longest prefix of `block_hashes` (router.hashing's
+    sequence hashes) and hold them under `request_id`; the reply's payload is their TransferDescriptor."""
+
+    request_id: str
+    block_hashes: list[int]
+
+
 class GetMetadata(msgspec.Struct, tag=True):
     """Ask for the holder's NIXL agent metadata."""
 
 
 class Reply(msgspec.Struct):
     ok: bool
-    error: str = ""  # "" | "expired" | "freed" | "compat" | "bad_request"
+    error: str = ""  # "" | "expired" | "freed" | "compat" | "bad_request" | "busy"
     message: str = ""
     payload: bytes = b""
 
 
-Request = Begin | Finish | Fetch | Write | Pack | GetMetadata | Reserve
+Request = Begin | Finish | Fetch | Write | Pack | GetMetadata | Reserve | HoldPrefix
 
 ERRORS: dict[str, type[TransferError]] = {
     "expired": LeaseExpiredError,
     "freed": BlocksFreedError,
     "compat": CompatError,
     "bad_request": TransferError,
+    "busy": PeerBusyError,
 }
 
 

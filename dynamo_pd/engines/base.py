@@ -76,6 +76,7 @@ class Engine(abc.ABC):
     # guided_kinds: the structured outputs (protocol.Guided kinds) it enforces; any other is a 400 naming
     # the request field that asked for it (check_guided).
     kv_handoffs: tuple[str, ...] = ()
+    peer_prefixes: bool = False  # lends cached prefixes to peers and reads theirs (native, mocker: driver.py)
     publishes_kv_events: bool = False
     project_hashes: bool = False
     resumes: bool = False

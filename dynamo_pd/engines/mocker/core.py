@@ -111,6 +111,7 @@ class MockerCore(EngineCore):
         self.handoff_expiries = 0
         self.stalled = False
         self.step_costs = StepCostMeter()
+        self.pins: dict[str, list[int]] = {}
         self.step_s = 0.0  # simulated duration of the last step
         self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 

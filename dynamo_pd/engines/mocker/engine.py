@@ -107,6 +107,9 @@ class MockerEngine(CoreDriver):
         self._core_or_raise().release_handoff(request_id)  # held blocks are in no batch: safe mid-step
         self._wake.set()
 
+    async def pin_prefix(self, pin_id: str, hashes: list[int]) -> list[int] | None:
+        return self._core_or_raise().pin_prefix(pin_id, hashes)  # cached blocks: safe to pin mid-step
+
     # ---- requests: CoreDriver.generate, on this loop
 
     async def _receive(self, inbox: asyncio.Queue, context: RequestContext, aborted: bool) -> Any:
@@ -136,6 +139,12 @@ class MockerEngine(CoreDriver):
         # The stand-in KV has moved; the profiled model's KV takes this long on the profiled link.
         moved = max(0, request.handoff.num_tokens - order.cached_blocks * self.config.block_size)
         await self.clock.sleep(self.profile.transfer_s(moved) / self.speedup)
+
+    async def _after_prefix_load(self, num_blocks: int) -> float:
+        # the stand-in KV has moved; the profiled model's blocks take this long on the profiled link
+        seconds = self.profile.transfer_s(num_blocks * self.config.block_size) / self.speedup
+        await self.clock.sleep(seconds)
+        return seconds
 
     # ---- the engine loop (commands and steps)
 

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prefixes pinned for peers at once: more would share this worker's link (and slow its own steps) while
+# the pulls' predicted times assumed it to themselves.
+MAX_PEER_PINS = 4
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EngineStats:
     num_active_prefill_tokens: int = 0  # prompt tokens still to compute
     num_preemptions: int = 0
     handoff_expiries: int = 0
+    num_peer_pins: int = 0  # prefixes pinned while peers read them
     costs: StepCosts = StepCosts()  # what its steps cost, measured (step_costs.py)
     fetch: FetchCosts = FetchCosts()  # what fetching KV costs it (tiers, peers), measured (step_costs.py)
     tiers: tuple[TierUse, ...] = ()  # each lower tier's blocks and what it served (tiers.py)
@@ -99,6 +103,7 @@ class EngineCore:
         self.handoff_expiries = 0
         self.stalled = False  # the last step found work but could schedule none of it
         self.step_costs = StepCostMeter()
+        self.pins: dict[str, list[int]] = {}  # prefixes pinned for peers: pin id -> blocks
 
     def _tiers(self, config: EngineConfig, block_bytes: int) -> KVTiers | None:
         """The tiers below the pool, sized in `block_bytes` blocks; None without any."""
@@ -144,9 +149,11 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"handoff holds {handoff.num_tokens} tokens of KV but the prompt has {len(prompt)}", "handoff")
 
-    def add_request(self, request: EngineRequest, grammar: CompiledGrammar | None = None) -> None:
+    def add_request(self, request: EngineRequest, grammar: CompiledGrammar | None = None,
+                    peer_loads: bool = False) -> None:
         """Queue `request`. A request under a grammar gets its matcher here, from `grammar` when the caller
-        compiled it off this thread (CoreDriver), else compiled now."""
+        compiled it off this thread (CoreDriver), else compiled now. `peer_loads`: the caller reads a prefix
+        a peer holds (request.kv_prefix) before the rest is computed; else kv_prefix is ignored."""
         self.check_request(request)
         rid = request.request_id
         if rid in self.seqs or rid in self.held:
@@ -159,6 +166,7 @@ class EngineCore:
             generator=None if seed is None else torch.Generator().manual_seed(seed),
         )
         seq.needs_load = self.role is EngineRole.DECODE and request.handoff is not None
+        seq.peer_load = peer_loads and request.kv_prefix is not None and request.handoff is None
         guided = request.sampling.guided
         if guided is not None:
             seq.grammar = self.grammars.matcher(guided, grammar)
@@ -279,6 +287,28 @@ class EngineCore:
         skip_draw(seq)
         return self._append(seq, token, None, echo=True)
 
+    def finish_prefix_load(self, request_id: str, num_blocks: int) -> None:
+        """The peer's read of a request's prefix ended: its first `num_blocks` blocks are in place (as many
+        as it had before, when the read failed); the rest is computed."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.status is SequenceStatus.LOADING and seq.peer_load:
+            self.scheduler.loaded_prefix(seq, num_blocks)
+
+    def pin_prefix(self, pin_id: str, hashes: list[int]) -> list[int] | None:
+        """A peer reads the cached blocks holding the longest prefix of `hashes`: they stay until unpin_prefix
+        ([] when none are cached). None: busy (MAX_PEER_PINS reads at once, or work waits for blocks)."""
+        if len(self.pins) >= MAX_PEER_PINS or self.stalled or pin_id in self.pins:
+            return None
+        blocks = self.block_manager.pin(hashes)
+        if blocks:
+            self.pins[pin_id] = blocks
+        return blocks
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        blocks = self.pins.pop(pin_id, None)
+        if blocks:
+            self.block_manager.unpin(blocks)
+
     def release_handoff(self, request_id: str) -> bool:
         held = self.held.pop(request_id, None)
         if held is not None:
@@ -307,6 +337,7 @@ class EngineCore:
             num_active_prefill_tokens=sched.num_active_prefill_tokens,
             num_preemptions=sched.num_preemptions,
             handoff_expiries=self.handoff_expiries,
+            num_peer_pins=len(self.pins),
             costs=self.step_costs.costs(),
             fetch=self.fetch_costs.costs(),
             tiers=bm.tiers.usage() if bm.tiers is not None else (),

@@ -2,10 +2,12 @@
 
 NativeEngine runs its core on a step thread, MockerEngine its MockerCore in an asyncio task; both
 drive it the same way, and this is that way: a request is added with a delivery sink, its outputs
-are emitted to it, it ends or is aborted, a DECODE request's KV is loaded through `kv_loader`, and
-`generate` waits for each item with cancellation. Only the core's loop touches the core and the
-sinks: callers reach it through `_do`. Subclasses say how a command reaches that loop (`_do`), how
-a request waits for its next item (`_receive`), and run the loop, which calls `_step`, `_deliver`.
+are emitted to it, it ends or is aborted, a DECODE request's KV is loaded through `kv_loader`, a prefix a peer
+holds (request.kv_prefix) is read through `prefix_loader` before the rest is computed (recomputed when
+that read fails), and `generate` waits for each item with cancellation. Only the core's loop touches
+the core and the sinks: callers reach it through `_do`. Subclasses say how a command reaches that loop
+(`_do`), how a request waits for its next item (`_receive`), and run the loop, which calls `_step` and
+`_deliver`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,12 @@ from router.events import KVEvent
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
+    from kv_transfer.agent import PrefixPull
+
+# Read request.kv_prefix from its peer into the request's blocks past the ones the engine has (block ids of
+# the whole prefix, how many it has); raises on failure (dynamo_pd.handoff.HandoffManager.load_prefix).
+PrefixLoader = Callable[[EngineRequest, list[int], int], Awaitable["PrefixPull"]]
+
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how often an idle core loop wakes (lease expiry, shutdown)
@@ -37,10 +45,12 @@ IDLE_POLL_S = 0.5  # how often an idle core loop wakes (lease expiry, shutdown)
 
 @dataclass
 class LoadOrder:
-    """DECODE role: blocks are reserved; the request's consumer must fill them."""
+    """DECODE role: blocks are reserved; the request's consumer must fill them. `prefix`: instead, the
+    blocks of the prefix a peer holds (any role), read before the rest of the request is computed."""
 
     block_ids: list[int]
     cached_blocks: int
+    prefix: bool = False
 
 
 class CoreDriver(Engine):
@@ -48,6 +58,7 @@ class CoreDriver(Engine):
     resumes = True  # EngineCore.add_request continues resume_token_ids
     project_hashes = True  # the block manager names blocks by router.hashing (sequence.full_block_hashes)
     guided_kinds = KINDS  # the sampler applies every kind's grammar (native/grammar.py)
+    peer_prefixes = True  # lends cached prefixes to peers (pin_prefix) and reads theirs (prefix_loader)
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None):
         if config.role is EngineRole.DECODE and kv_loader is None:
@@ -58,6 +69,7 @@ class CoreDriver(Engine):
         self.stats = EngineStats()
         self._core: EngineCore | None = None
         self._sinks: dict[str, Callable[[Any], None]] = {}  # request id -> delivery to its generator
+        self.prefix_loader: PrefixLoader | None = None  # set by the worker that lends it its KV agent
 
     @abc.abstractmethod
     def _core_or_raise(self) -> EngineCore: ...
@@ -76,6 +88,14 @@ class CoreDriver(Engine):
 
     async def _after_load(self, request: EngineRequest, order: LoadOrder) -> None:
         """Called once kv_loader has filled the blocks, before the core learns of it."""
+
+    async def _after_prefix_load(self, num_blocks: int) -> float:
+        """Called once prefix_loader has read `num_blocks` blocks; returns seconds it adds to the read."""
+        return 0.0
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """A peer's read of a pinned prefix ended (from the agent's loop or thread)."""
+        self._do(lambda: self._core.unpin_prefix(pin_id))
 
     # ---- what workers and kv_transfer read
 
@@ -128,7 +148,7 @@ class CoreDriver(Engine):
                     raise item
                 if isinstance(item, LoadOrder):
                     if not aborted:
-                        await self._load(request, item)
+                        await (self._load_prefix if item.prefix else self._load)(request, item)
                     continue
                 done = item.finish_reason is not None
                 yield item
@@ -151,12 +171,36 @@ class CoreDriver(Engine):
             return
         self._do(lambda: self._emit(self._core.finish_load(rid, first_token_id)))
 
+    async def _load_prefix(self, request: EngineRequest, order: LoadOrder) -> None:
+        """Read the prefix a peer holds; whatever of it did not arrive is computed (never an error)."""
+        rid, core = request.request_id, self._core
+        blocks, observe = order.cached_blocks, None
+        try:
+            pulled = await asyncio.wait_for(self.prefix_loader(request, order.block_ids, order.cached_blocks),
+                                            timeout=self.config.handoff.hold_s)
+            moved = pulled.blocks - order.cached_blocks
+            extra_s = await self._after_prefix_load(moved) if moved > 0 else 0.0
+            if moved > 0:
+                meter, nbytes = core.fetch_costs.pull, moved * core.fetch_costs.block_bytes
+                observe = lambda: meter.observe(nbytes, pulled.pull_s + extra_s, pulled.hold_s)  # noqa: E731
+            blocks = pulled.blocks
+        except Exception as exc:  # noqa: BLE001 - a peer that fails, refuses or dies: computed here instead
+            log.info("prefix of %r from %s not read (%r): computed here", rid, request.kv_prefix.worker_id,
+                     exc)
+
+        def done() -> None:
+            if observe is not None:
+                observe()
+            core.finish_prefix_load(rid, blocks)
+
+        self._do(done)
+
     # ---- the core's loop
 
     def _add(self, request: EngineRequest, deliver: Callable[[Any], None],
              grammar: CompiledGrammar | None) -> None:
         try:
-            self._core.add_request(request, grammar)
+            self._core.add_request(request, grammar, peer_loads=self.prefix_loader is not None)
         except Exception as exc:  # noqa: BLE001 - the caller raises it
             deliver(exc)
             return
@@ -184,6 +228,8 @@ class CoreDriver(Engine):
             self._end_request(rid, "abort")
         for rid in list(self._core.held):
             self._core.release_handoff(rid)
+        for pin_id in list(self._core.pins):
+            self._core.unpin_prefix(pin_id)
 
     def _idle_timeout(self) -> float:
         """How long an idle loop may wait: IDLE_POLL_S, or less when a hand-off lease expires sooner."""
@@ -207,5 +253,8 @@ class CoreDriver(Engine):
         for out in outputs:
             self._emit(out)
         for seq in core.take_new_loads():
-            cached_blocks = (seq.num_cached_tokens or 0) // core.block_manager.block_size
-            self._sinks[seq.request_id](LoadOrder(list(seq.block_table), cached_blocks))
+            if seq.peer_load:  # what it has (hits, tier copies) is computed already
+                cached_blocks = seq.num_computed_tokens // core.block_manager.block_size
+            else:
+                cached_blocks = (seq.num_cached_tokens or 0) // core.block_manager.block_size
+            self._sinks[seq.request_id](LoadOrder(list(seq.block_table), cached_blocks, prefix=seq.peer_load))

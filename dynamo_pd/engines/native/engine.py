@@ -62,6 +62,11 @@ class NativeEngine(CoreDriver):
         core = self._core_or_raise()
         await self._call(core.release_handoff, request_id)
 
+    async def pin_prefix(self, pin_id: str, hashes: list[int]) -> list[int] | None:
+        """A peer reads the cached blocks of this prefix (EngineCore.pin_prefix)."""
+        core = self._core_or_raise()
+        return await self._call(core.pin_prefix, pin_id, hashes)
+
     async def reset_prefix_cache(self) -> None:
         core = self._core_or_raise()
         await self._call(core.reset_prefix_cache)

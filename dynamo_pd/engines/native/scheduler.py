@@ -65,6 +65,12 @@ class Scheduler:
                 if not self._admit_for_load(seq):
                     break
                 continue
+            if seq.peer_load:
+                admitted = self._admit_for_prefix(seq)
+                if admitted is False:
+                    break
+                if admitted:
+                    continue
             hits = self.bm.prefix_hits(seq, len(seq.token_ids) - 1)  # compute >= 1 token for logits
             lower = self.bm.lower_hits(seq, len(hits), len(seq.token_ids) - 1)  # copied back from the tiers
             cached = (len(hits) + lower) * self.bm.block_size
@@ -93,6 +99,37 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         self.new_loads.append(seq)
         return True
+
+    def _admit_for_prefix(self, seq: Sequence) -> bool | None:
+        """Blocks for the prefix a peer holds, its local hits (and tier copies) in them; the rest is read from
+        the peer (LOADING) before anything is computed. None: the peer would add nothing, admit as usual."""
+        bs, last = self.bm.block_size, len(seq.token_ids) - 1  # compute >= 1 token for logits
+        want = min(seq.request.kv_prefix.num_blocks, last // bs)
+        hits = self.bm.prefix_hits(seq, last)
+        lower = self.bm.lower_hits(seq, len(hits), last)
+        if len(hits) + lower >= want:
+            seq.peer_load = False
+            return None
+        if not self.bm.admit(seq, hits, want * bs, lower):
+            return False
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.waiting.popleft()
+        seq.status = SequenceStatus.LOADING
+        self.loading[seq.request_id] = seq
+        self.new_loads.append(seq)
+        return True
+
+    def loaded_prefix(self, seq: Sequence, num_blocks: int) -> None:
+        """The peer's read ended with the prefix's first `num_blocks` blocks in place (what the sequence had
+        already when it failed): they join the prefix cache, and the rest is computed as it runs."""
+        del self.loading[seq.request_id]
+        seq.peer_load = False
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_blocks * self.bm.block_size)
+        seq.num_cached_tokens = seq.num_computed_tokens  # read, not computed: the request's cached tokens
+        self.bm.commit(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def loaded(self, seq: Sequence) -> None:
         """The prompt's KV is in place: the sequence joins the running batch, decoding."""

@@ -39,6 +39,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading full blocks already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # sequence hashes of full blocks, lazily
     needs_load: bool = False  # DECODE role: the prompt's KV comes from elsewhere
+    peer_load: bool = False  # a peer holds a prefix of it (request.kv_prefix): read before computing the rest
     grammar: GrammarMatcher | None = None  # structured output: what the grammar allows next (grammar.py)
 
     def __post_init__(self) -> None:
