@@ -197,7 +197,7 @@ def p1d2(tmp_path_factory):
     deployment = start_deployment(tmp_path_factory.mktemp("chaos_p1d2"), "--prefill", "1", "--decode", "2",
                                   worker_args={"prefill-0": ["--max-num-batched-tokens", "32"]}, timeout_s=420)
     yield deployment
-    deployment.stop()
+    deployment.stop_checked()  # the workers the tests killed end -SIGKILL, the rest drain and exit 0
 
 
 async def test_500_client_cancellations_at_random_points(p1d2):
@@ -224,18 +224,30 @@ async def test_500_client_cancellations_at_random_points(p1d2):
     check(await record(Row("500 client cancellations (concurrency 8)"), p1d2, outcomes, None))
 
 
+def fallbacks(deployment: Deployment) -> float:
+    """Requests that fell back to local prefill, for either reason (both rendered from the start)."""
+    values = metrics(deployment)
+    return sum(values[f'dynamo_pd_prefill_fallbacks_total{{reason="{reason}"}}']
+               for reason in ("prefill_failed", "transfer_failed"))
+
+
 async def test_kill_9_the_prefill_worker_mid_transfer(p1d2):
+    """Every request completes: those in prefill or hand-off fall back to prefill on their decode worker
+    (--on-prefill-failure local, the default), and the decode workers serve alone after the fault."""
     expected = await expected_texts(p1d2, 16)
-    before = migrations(p1d2)
+    before, fell_back_before = migrations(p1d2), fallbacks(p1d2)
     progress: list[int] = []
     load = asyncio.ensure_future(steady_load(p1d2, expected, 16, 24, 8, progress))
     async with asyncio.timeout(60):
         while not progress:  # the first request has its first token: others are in prefill or hand-off
             await asyncio.sleep(0.01)
-    p1d2.procs["prefill-0"].send_signal(signal.SIGKILL)
+    p1d2.kill("prefill-0")
     outcomes = await load
     outcomes += await steady_load(p1d2, expected, 16, 4, 4)  # decode workers prefill alone now
-    check(await record(Row("kill -9 prefill worker mid-transfer"), p1d2, outcomes, before))
+    row = await record(Row("kill -9 prefill worker mid-transfer"), p1d2, outcomes, before)
+    check(row)
+    assert row.completed == row.sent, row  # no request is lost: each falls back
+    assert fallbacks(p1d2) > fell_back_before, "the kill hit no request in prefill or hand-off"
 
 
 async def test_kill_9_a_decode_worker_mid_stream(p1d2):
@@ -246,7 +258,7 @@ async def test_kill_9_a_decode_worker_mid_stream(p1d2):
     async with asyncio.timeout(60):
         while len(progress) < 24:  # several streams are past their first tokens
             await asyncio.sleep(0.01)
-    p1d2.procs["decode-0"].send_signal(signal.SIGKILL)
+    p1d2.kill("decode-0")
     outcomes = await load
     outcomes += await steady_load(p1d2, expected, 48, 4, 4)  # the other decode worker serves on
     row = await record(Row("kill -9 decode worker mid-stream"), p1d2, outcomes, before)
@@ -258,19 +270,23 @@ async def test_kill_9_a_decode_worker_mid_stream(p1d2):
 
 
 class Restartable:
-    """A server on fixed loopback ports, stopped and started again with the same data."""
+    """A server on fixed loopback ports, stopped (SIGTERM) and started again with the same data."""
 
-    def __init__(self, args: list[str], port: int, log_dir: Path) -> None:
-        self.args, self.port, self.log_dir = args, port, log_dir
+    def __init__(self, args: list[str], port: int, log_dir: Path, exit_code: int) -> None:
+        # exit_code: what it ends with on SIGTERM, by its own shutdown (etcd re-raises the signal)
+        self.args, self.port, self.log_dir, self.exit_code = args, port, log_dir, exit_code
         self._stack = contextlib.ExitStack()
         self.proc = None
+        self.log: Path | None = None
 
     def start(self) -> None:
-        self.proc = self._stack.enter_context(
-            running_server(self.args, self.port, self.log_dir / f"{Path(self.args[0]).name}-{time.time():.0f}.log"))
+        self.log = self.log_dir / f"{Path(self.args[0]).name}-{time.time():.0f}.log"
+        self.proc = self._stack.enter_context(running_server(self.args, self.port, self.log))
 
     def stop(self) -> None:
-        self._stack.close()
+        self._stack.close()  # SIGTERM; one still running 5 s later is killed, and fails the check below
+        assert self.proc.returncode == self.exit_code, (self.args[0], self.proc.returncode,
+                                                        self.log.read_text()[-2000:])
 
 
 @pytest.fixture(scope="module")
@@ -283,8 +299,9 @@ def on_etcd_nats(tmp_path_factory):
                         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
                         "--initial-cluster", f"chaos=http://127.0.0.1:{peer_port}", "--log-level", "error"],
-                       etcd_port, tmp)
-    nats = Restartable([binary("nats-server"), "-a", "127.0.0.1", "-p", str(nats_port)], nats_port, tmp)
+                       etcd_port, tmp, exit_code=-signal.SIGTERM)
+    nats = Restartable([binary("nats-server"), "-a", "127.0.0.1", "-p", str(nats_port)], nats_port, tmp,
+                       exit_code=0)
     etcd.start()
     nats.start()
     try:
@@ -293,10 +310,12 @@ def on_etcd_nats(tmp_path_factory):
         try:
             yield deployment, etcd, nats
         finally:
-            deployment.stop()
+            deployment.stop_checked()
     finally:
-        nats.stop()
-        etcd.stop()
+        try:
+            nats.stop()
+        finally:
+            etcd.stop()
 
 
 async def fault_under_load(deployment: Deployment, name: str, fault) -> None:
