@@ -59,7 +59,8 @@ def chaos_table(tmp_path_factory, request):
     path.write_text(json.dumps([asdict(row) for row in ROWS], indent=1))
     out = request.config.pluginmanager.get_plugin("terminalreporter")
     lines = ["", f"chaos table ({path}):",
-             "| fault | sent | completed | migrated | failed (clear error) | cancelled | hung | unclear | blocks leaked |",
+             "| fault | sent | completed | migrated | failed (clear error) | cancelled | hung | unclear "
+             "| blocks leaked |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         migrated = "n/a" if r.migrated is None else r.migrated
