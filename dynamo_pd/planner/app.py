@@ -66,11 +66,10 @@ async def serve_local(config: PlannerConfig, launch: Launch, initial: dict[str, 
     frontend exits (SystemExit) or this is cancelled; every process started lands in `processes`."""
     async with planes(discovery_url, namespace, events_url, security) as (discovery, events):
         connector = LocalConnector(launch, discovery, config.pools, processes)
-        try:
-            for pool, count in initial.items():
-                await connector.set_replicas(pool, count)
-        except ConnectorError as exc:
-            raise SystemExit(f"error: a worker failed to start: {exc}") from None
+        started = await asyncio.gather(*(connector.set_replicas(pool, n) for pool, n in initial.items()),
+                                       return_exceptions=True)
+        if failed := [str(e) for e in started if isinstance(e, ConnectorError)]:
+            raise SystemExit(f"error: a worker failed to start: {'; '.join(failed)}")
         ready(await discovery.list(WorkerInfo))
         planner = asyncio.create_task(plan(config, connector, discovery, events, namespace, metrics_host, 0))
         try:

@@ -112,11 +112,14 @@ async def running(stage, api):
     for worker_id, role in (("prefill-0", Role.PREFILL), ("decode-0", Role.DECODE)):
         await deployment.register(worker_id, role)
     await until(lambda: len(observer.membership.workers) == 2, "both registrations")
+    deadline = time.monotonic() + 20
     while len(observer._reports) < 2:  # ZMQ's subscriptions connect shortly after subscribing: report again
+        assert time.monotonic() < deadline, "the workers' load reports not seen within 20 s"
         await deployment.report()
         await asyncio.sleep(0.05)
     probe = 0
     while not observer._arrivals:  # the router's placements, likewise
+        assert time.monotonic() < deadline, "the router's placements not seen within 20 s"
         await deployment.place(1, start=probe)
         probe += 1
         await asyncio.sleep(0.05)
