@@ -4,7 +4,8 @@ One llama.cpp context runs one sequence (seq 0) at a time, on one thread; reques
 arrival order. A prompt that shares a prefix with what the context holds evaluates only the rest, and
 what the context holds is published as KV events in the project's hashes (token_events.py).
 Sampling, penalties, logprobs, stop strings and seeds are the native engine's (its sampler and
-detokenizer over llama.cpp's logits and vocabulary), so a seeded request samples alike in every role.
+detokenizer over llama.cpp's logits and vocabulary), so a seeded request samples alike in every role;
+structured output too (the sampler's grammar bitmask, compiled against the GGUF's own vocabulary).
 
 Disaggregation moves sequence state: a PREFILL engine evaluates the prompt, samples the first token,
 exports seq 0 (llama_state_seq_get_data) into a BlobPool of one block per prompt token (a block
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llama_cpp import Llama, llama_cpp as C
 import numpy as np
@@ -32,9 +34,11 @@ import torch
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, KVLoader
 from dynamo_pd.engines.native.detokenizer import IncrementalDetokenizer
+from dynamo_pd.engines.native.grammar import Grammars
 from dynamo_pd.engines.native.sampler import sample, skip_draw
 from dynamo_pd.engines.native.sequence import Sequence
 from dynamo_pd.engines.token_events import TokenEvents
+from dynamo_pd.guided import KINDS
 from dynamo_pd.handoff_kinds import HeldKV
 from dynamo_pd.model_store import DEFAULT_MODEL, ModelNotFoundError, default_gguf_path
 from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, PromptTooLongError
@@ -42,6 +46,9 @@ from dynamo_pd.runtime import RequestContext
 from kv_transfer.memory import BlobPool
 from router.events import KVEvent
 from router.load import StepCosts
+
+if TYPE_CHECKING:
+    import xgrammar
 
 _SEQ = 0  # the one llama.cpp sequence every request runs in
 _DROP_STATE_ENV = "DYNAMO_PD_TEST_DROP_SEQ_STATE"
@@ -78,6 +85,7 @@ class _Vocab:
 
 class LlamaCppEngine(Engine):
     kv_handoffs = ("pull", "push")  # of sequence states staged in `kv_cache` (a BlobPool)
+    guided_kinds = KINDS  # the native sampler's grammars (native/grammar.py) over the GGUF's vocabulary
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None = None):
         if config.role is EngineRole.DECODE and kv_loader is None:
@@ -113,6 +121,7 @@ class LlamaCppEngine(Engine):
         vocab = C.llama_model_get_vocab(llm.model)
         self._eog = frozenset(t for t in range(llm.n_vocab()) if C.llama_vocab_is_eog(vocab, t))
         self._vocab = _Vocab(llm)
+        self.grammars = Grammars(self._tokenizer_info)
         if self.role is EngineRole.AGGREGATED:
             self.pool = BlobPool(1, 2)  # nothing to stage; the worker's agent still wants a cache to wrap
             return
@@ -121,6 +130,20 @@ class LlamaCppEngine(Engine):
         self._forget()
         block_bytes += block_bytes % 2
         self.pool = BlobPool(max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes), block_bytes)
+
+    def _tokenizer_info(self) -> xgrammar.TokenizerInfo:
+        """The GGUF's vocabulary as xgrammar reads a tokenizer: each token's text in the vocabulary's own
+        encoding, control tokens empty (so no grammar allows them), the end-of-generation ids as its stops."""
+        import xgrammar as xgr
+
+        vocab, n = C.llama_model_get_vocab(self._llm.model), self._llm.n_vocab()
+        encoding = {C.LLAMA_VOCAB_TYPE_BPE: xgr.VocabType.BYTE_LEVEL,
+                    C.LLAMA_VOCAB_TYPE_SPM: xgr.VocabType.BYTE_FALLBACK}.get(C.llama_vocab_type(vocab),
+                                                                               xgr.VocabType.RAW)
+        texts = [b"" if C.llama_vocab_is_control(vocab, t) else C.llama_vocab_get_text(vocab, t)
+                 for t in range(n)]
+        return xgr.TokenizerInfo([t.decode("utf-8", errors="replace") for t in texts], encoding, vocab_size=n,
+                                 stop_token_ids=sorted(self._eog))
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -146,7 +169,6 @@ class LlamaCppEngine(Engine):
     # ---- requests
 
     def check_request(self, request: EngineRequest) -> None:
-        self.check_guided(request)
         request.check_fits(self.max_model_len, self._llm.n_vocab())
         prompt = request.prompt_token_ids
         if self.role is not EngineRole.AGGREGATED and len(prompt) > self.pool.num_blocks:
@@ -155,10 +177,13 @@ class LlamaCppEngine(Engine):
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         self.check_request(request)
-        seed = request.sampling.seed
+        seed, guided = request.sampling.seed, request.sampling.guided
         seq = Sequence(request=request, block_size=self.config.block_size,
                        detokenizer=IncrementalDetokenizer(self._vocab, request.prompt_token_ids, request.stop.stop),
                        generator=None if seed is None else torch.Generator().manual_seed(seed))
+        if guided is not None:  # compiled before its turn, off the llama.cpp thread
+            compiled = await asyncio.to_thread(self.grammars.compile, guided)
+            seq.grammar = self.grammars.matcher(guided, compiled)
         loaded: tuple[list[int], int | None] | None = None
         try:
             if self.role is EngineRole.DECODE and request.handoff is not None:

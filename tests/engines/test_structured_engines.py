@@ -1,15 +1,18 @@
 """Structured output on the other engines, each in its own form: vLLM's StructuredOutputsParams, SGLang's
 sampling params (checked by its real SamplingParams), TensorRT-LLM's GuidedDecodingParams (fakes shaped like
-its classes, tests/engines/test_trtllm.py) with its xgrammar backend on; the engines without support (http,
-mistral.rs, llama.cpp) refuse with a 400 naming the request's field before any work."""
+its classes, tests/engines/test_trtllm.py) with its xgrammar backend on; llama.cpp through the native
+sampler's grammar over the GGUF's vocabulary, handed off prefill -> decode unchanged; the engines without
+support (http, mistral.rs) refuse with a 400 naming the request's field before any work."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
+import msgspec
 import pytest
 
-from dynamo_pd.engines.base import EngineConfig
+from dynamo_pd.engines.base import EngineConfig, EngineRole
 from dynamo_pd.guided import KINDS, choice_ebnf
 from dynamo_pd.protocol import EngineRequest, Guided, InvalidRequestError, SamplingParams, StopConditions
 from tests.engines.test_trtllm import GuidedDecodingParams, trtllm  # noqa: F401 - the fixture
@@ -94,13 +97,11 @@ def test_trtllm_gets_guided_decoding_params_on_its_xgrammar_backend(trtllm):  # 
 
 def refusals():
     from dynamo_pd.engines.http import HttpEngine
-    from dynamo_pd.engines.llamacpp import LlamaCppEngine
     from dynamo_pd.engines.mistralrs import MistralRsEngine
 
     http = HttpEngine(EngineConfig(extra={"url": "http://127.0.0.1:9/v1"}))
     yield "http", http._body
     yield "mistralrs", MistralRsEngine(EngineConfig())._prompt_text
-    yield "llamacpp", LlamaCppEngine(EngineConfig()).check_request
 
 
 def test_engines_without_support_refuse_naming_the_field():
@@ -109,3 +110,33 @@ def test_engines_without_support_refuse_naming_the_field():
             with pytest.raises(InvalidRequestError) as err:
                 check(request(guided))
             assert err.value.param == guided.param and guided.kind in str(err.value), name
+
+
+@pytest.mark.slow
+async def test_llamacpp_samples_under_the_grammar_and_hands_it_off_unchanged(monkeypatch):
+    """Its own engine in each role (tests/engines/test_llamacpp.py's), every request under one schema."""
+    from tests.engines import test_llamacpp as lc
+
+    schema = {"type": "object", "properties": {"river": {"type": "string", "maxLength": 12},
+                                               "km": {"type": "integer", "minimum": 0, "maximum": 9999}},
+              "required": ["river", "km"]}
+    guided = Guided(kind="json_schema", spec=json.dumps(schema))
+    plain = lc.request
+
+    def under_schema(engine, rid: str, text: str = lc.PROMPT, **kwargs) -> EngineRequest:
+        req = plain(engine, rid, text, max_tokens=64, **kwargs)
+        return msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, guided=guided))
+
+    monkeypatch.setattr(lc, "request", under_schema)  # what Pair.run asks with
+    agg = await lc.started(EngineRole.AGGREGATED)
+    try:
+        for sampling in ({}, {"temperature": 0.8, "seed": 5}):
+            expected = lc.said(await lc.collect(agg, under_schema(agg, "agg", **sampling)))
+            text, _, finish = expected
+            assert finish == "stop", expected
+            jsonschema.validate(json.loads(text), schema)
+            async with lc.Pair() as pair:
+                for mode in ("pull", "push"):
+                    assert lc.said(await pair.run(f"{mode}-{sampling}", mode, **sampling)) == expected, mode
+    finally:
+        await agg.stop()
