@@ -5,7 +5,8 @@ Errors are OpenAI error bodies: 400 the client's fault (never retried; context o
 OpenAI answers it), 401 bad key, 404 unknown model (naming the served ones), 413 body too large, 503 overloaded or a worker
 gone or silent (retry), 500 anything else. Server errors name no internal endpoint: the log has the
 details. A client that goes away, from the moment its request arrives, cancels the request on
-every worker holding it. Tokenization and the chat template run off the event loop.
+every worker holding it. Tokenization and the chat template run off the event loop (for a body over 8 KiB;
+a smaller one costs less than a thread's hand-off).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, Rat
 from dynamo_pd.frontend.sse import DONE, Chunks, EventStream
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
-from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
@@ -167,6 +167,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 _OPEN_ROUTES = {"/health", "/ready"}
+_INLINE_BODY_BYTES = 8 << 10  # a body up to this size is templated and tokenized on the event loop
 
 
 def _body_too_large(limit: int) -> JSONResponse:
@@ -308,6 +309,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         key = client_key(http.headers, http.client.host if http.client else "")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
+        inline = int(http.headers.get("content-length") or _INLINE_BODY_BYTES + 1) <= _INLINE_BODY_BYTES
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         charged = False
@@ -322,7 +324,10 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             backend = models.lookup(name)
             if not backend.ready():
                 raise OverloadedError(f"model {name!r} has no worker ready")
-            ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))  # 4 MiB takes seconds
+            if inline:  # a small prompt templates and tokenizes in less than a thread's hand-off costs
+                ids = tokenize(backend.tokenizer)
+            else:  # 4 MiB takes seconds
+                ids = await _unless_gone(gone, asyncio.to_thread(tokenize, backend.tokenizer))
             request = EngineRequest(request_id=rid, prompt_token_ids=ids,
                                     sampling=body.sampling(body.logprob_count(), guided),
                                     stop=body.stop_conditions(config.default_max_tokens))
@@ -405,18 +410,27 @@ def _unavailable(exc: Exception) -> bool:
 
 
 async def _unless_gone(gone: asyncio.Future, work: Awaitable[T]) -> T:
-    """`work`'s result; or, when the client disconnects first, `work` cancelled (and waited for) and
-    _ClientGone raised."""
-    task = asyncio.ensure_future(work)
+    """`work`'s result; or, when the client disconnects first, `work` cancelled where it waits and
+    _ClientGone raised. `work` runs in the caller's task, which a callback on `gone` cancels: no task and
+    no asyncio.wait per call."""
+    task = asyncio.current_task()
+    waiting = True
+
+    def left(disconnect: asyncio.Future) -> None:
+        if waiting and not disconnect.cancelled():  # a callback run late finds the wait over
+            task.cancel()
+
+    gone.add_done_callback(left)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone.done() and not gone.cancelled() and task.cancelling():
+            task.uncancel()
+            raise _ClientGone from None
+        raise
     finally:
-        left = not task.done()
-        if left:
-            await cancel_and_wait([task])
-    if left:
-        raise _ClientGone
-    return task.result()
+        waiting = False
+        gone.remove_done_callback(left)
 
 
 async def _chain(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:

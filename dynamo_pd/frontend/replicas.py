@@ -29,6 +29,8 @@ class EventPlaneReplicaSync(ReplicaSync):
         self._events = events
         self.subject = f"{namespace}.router.load"
         self._tasks: set[asyncio.Task] = set()  # the follower and sends in flight, referenced until done
+        self._outbox: list[bytes] = []
+        self._sending = False
 
     async def start(self) -> None:
         subscription = await self._events.subscribe(self.subject)  # live before the first request
@@ -41,12 +43,26 @@ class EventPlaneReplicaSync(ReplicaSync):
         await cancel_and_wait(self._tasks)
 
     def _send_soon(self, data: bytes) -> None:
-        """Publish without making the router wait; a failure is logged (workers' load reports correct it)."""
-        task = asyncio.get_running_loop().create_task(self._events.publish(self.subject, data))
-        self._tasks.add(task)
-        task.add_done_callback(self._sent)
+        """Publish without making the router wait: one task sends what a turn of the loop published (a
+        task per update cost more than its send); a failure is logged (workers' load reports correct it)."""
+        self._outbox.append(data)
+        if len(self._outbox) == 1 and not self._sending:
+            task = asyncio.get_running_loop().create_task(self._send_all())
+            self._tasks.add(task)
+            task.add_done_callback(self._sent)
+
+    async def _send_all(self) -> None:
+        self._sending = True
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for data in batch:
+                    await self._events.publish(self.subject, data)
+        finally:
+            self._sending = False
+            self._outbox.clear()  # what a failed send left behind: the next update starts a new task
 
     def _sent(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("load update of %s not shared with other replicas: %r", self.router_id, exc)
+            log.warning("load updates of %s not shared with other replicas: %r", self.router_id, exc)

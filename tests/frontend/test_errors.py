@@ -1,6 +1,6 @@
 """The frontend's answers to bad requests and failed workers, in process on the real tokenizer: the
 client's fault is a 400 refused before any backend work, the server's a 5xx naming no internal
-endpoint; tokenization runs off the event loop."""
+endpoint; tokenization runs off the event loop (but for small bodies)."""
 
 from __future__ import annotations
 
@@ -185,10 +185,17 @@ async def test_a_stream_that_fails_after_its_first_token_reports_the_kind_in_ban
 
 
 async def test_tokenization_and_the_chat_template_run_off_the_event_loop(tokenizer):
-    backend = Backend(tokenizer, outputs=[EngineOutput(request_id="r", token_ids=[42], text="hi",
-                                                       finish_reason="stop")])
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
-        status, answer = await post(backend, path, body)
-        assert status == 200, answer
-    assert len(backend.requests) == 2 and backend.tokenizer.threads
-    assert threading.get_ident() not in backend.tokenizer.threads  # the test's loop runs the app
+    """Off the loop for a body over 8 KiB; a smaller one is templated and tokenized on the loop, where it
+    costs less than a thread's hand-off."""
+    text = "lorem ipsum " * 800  # 9.6 KB
+    for bodies, off_the_loop in (((CHAT, COMPLETION), False),
+                                 (({**CHAT, "messages": [{"role": "user", "content": text}]},
+                                   {**COMPLETION, "prompt": text}), True)):
+        backend = Backend(tokenizer, outputs=[EngineOutput(request_id="r", token_ids=[42], text="hi",
+                                                           finish_reason="stop")])
+        for path, body in zip(("/v1/chat/completions", "/v1/completions"), bodies):
+            status, answer = await post(backend, path, body)
+            assert status == 200, answer
+        assert len(backend.requests) == 2 and backend.tokenizer.threads
+        loop_thread = threading.get_ident()  # the test's loop runs the app
+        assert (loop_thread not in backend.tokenizer.threads) == off_the_loop, off_the_loop

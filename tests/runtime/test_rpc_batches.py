@@ -1,0 +1,60 @@
+"""Request plane: stream_batches hands a caller every chunk that had arrived when it asked, in order, with
+an end or an error after them kept for the next round (a caller behind on a stream sends its backlog at
+once)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dynamo_pd.runtime import RequestContext
+from dynamo_pd.runtime.errors import RemoteError
+from dynamo_pd.runtime.rpc_client import RpcClient
+from dynamo_pd.runtime.rpc_server import RpcServer
+
+TIMEOUT_S = 10.0
+
+
+class Burst:
+    """Streams b"a"; once `go` is set, b"b", b"c", b"d" back to back; then ends (or raises, with `fail`)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.go, self.fail = asyncio.Event(), fail
+
+    async def handler(self, payload: bytes, context: RequestContext):
+        yield b"a"
+        await self.go.wait()
+        for chunk in (b"b", b"c", b"d"):
+            yield chunk
+        if self.fail:
+            raise ValueError("after the burst")
+
+
+async def arrived(client: RpcClient, endpoint: str, count: int) -> None:
+    """Until the stream open on `endpoint` holds `count` undelivered items (chunks, then its end or error)."""
+    async def poll() -> None:
+        while True:
+            inboxes = list(client._connections[endpoint]._streams.values())
+            if inboxes and len(inboxes[0].items) >= count:
+                return
+            await asyncio.sleep(0.01)  # the reader task delivers them: nothing to wait on from here
+
+    await asyncio.wait_for(poll(), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_chunks_that_arrived_together_come_as_one_batch_and_the_end_after_them(fail):
+    burst = Burst(fail)
+    async with RpcServer(burst.handler) as server:
+        client = RpcClient()
+        try:
+            batches = client.stream_batches(server.endpoint, b"", RequestContext("r1"))
+            assert await asyncio.wait_for(anext(batches), TIMEOUT_S) == [b"a"]
+            burst.go.set()
+            await arrived(client, server.endpoint, 4)  # b, c, d and the end or the error
+            assert await asyncio.wait_for(anext(batches), TIMEOUT_S) == [b"b", b"c", b"d"]
+            with pytest.raises(RemoteError if fail else StopAsyncIteration):
+                await asyncio.wait_for(anext(batches), TIMEOUT_S)
+        finally:
+            await client.close()
