@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_pd import tracing
 from dynamo_pd.handoff_kinds import EngineHandoff, Handoff, HeldKV, PullHandoff, PushHandoff, TransferStats
 from dynamo_pd.protocol import EngineOutput, EngineRequest, WorkerInfo
 from kv_transfer.config import TransferConfig
@@ -84,6 +85,17 @@ class HandoffTimes:
         return TransferConfig(transport, lease_s=self.lease_s, timeout_s=self.transfer_timeout_s)
 
 
+@dataclass(frozen=True)
+class _Moved:
+    """DECODE: what one request's KV load moved, until its first output carries `stats` (and its trace a
+    kv_transfer span: the blocks, the mode and when it ended are this side's own)."""
+
+    stats: TransferStats
+    blocks: int
+    mode: str  # pull, push
+    ended_ns: int  # wall clock
+
+
 def together_timeouts(first_response_s: float) -> tuple[float, float]:
     """Frontend, an offered hand-off: (how long the decode side waits for the prefill's KV, how long the
     frontend waits for the decode stream's first output) from its own first-response bound."""
@@ -106,7 +118,7 @@ class HandoffManager:
         self._place = dict(endpoint=f"tcp://{host}:0", advertise_host=advertise_host, guard=guard)
         self.agent: KVTransferAgent | None = None
         self._engine: Any = None
-        self._moved: dict[str, TransferStats] = {}  # DECODE: request id -> what its load moved
+        self._moved: dict[str, _Moved] = {}  # DECODE: request id -> what its load moved
 
     async def start(self, engine: Any, model_name: str) -> None:
         """After the engine started: an agent over its KV cache when the engine's KV is ours to move."""
@@ -156,13 +168,16 @@ class HandoffManager:
                                        kv_endpoint=self.agent.endpoint, handoff_offer=push,
                                        kv_peer_prefixes=self.agent.prefix_source is not None)
 
-    async def serve(self, request: EngineRequest, outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    async def serve(self, request: EngineRequest, outputs: AsyncIterator[EngineOutput],
+                    trace: Any = None) -> AsyncIterator[EngineOutput]:
         """The engine's outputs for `request`, with its hand-off done; returns once it has ended. Every
-        path gives the engine's held blocks back: a pull hold through its on_release, else here."""
+        path gives the engine's held blocks back: a pull hold through its on_release, else here. `trace`
+        (dynamo_pd.tracing): the parent of its kv_hold, kv_push or kv_transfer span."""
         rid = request.request_id
         held = False  # the engine holds this request's prompt KV for us
         released: asyncio.Event | None = None
         pushing: asyncio.Task | None = None
+        holding = tracing.NOOP
         try:
             async for out in outputs:
                 handoff = out.handoff
@@ -170,18 +185,25 @@ class HandoffManager:
                     held = True
                     if isinstance(request.handoff, PushHandoff):
                         out.handoff = request.handoff
-                        pushing = asyncio.create_task(self._push(handoff, out.token_ids[0]))  # while the token streams
+                        # while the token streams
+                        pushing = asyncio.create_task(self._push(handoff, out.token_ids[0], trace))
                     else:
                         released, out.handoff = self._hold(handoff)
+                        blocks = {"dynamo_pd.kv.blocks": len(handoff.block_ids)}
+                        holding = tracing.start("kv_hold", trace, blocks)  # until the decode side read them
                 elif isinstance(handoff, EngineHandoff):
                     handoff.worker_id = self.worker_id
-                out.transfer = self._moved.pop(rid, None)
+                moved = self._moved.pop(rid, None)
+                out.transfer = None if moved is None else moved.stats
+                if moved is not None and trace is not None:
+                    self._trace_transfer(moved, trace)
                 yield out
             if released is not None:
                 await asyncio.wait_for(released.wait(), self.times.engine_lease_s)
             if pushing is not None:
                 await pushing  # bounded: the rendezvous by the lease, the push by the transfer timeout
         finally:
+            tracing.end(holding)
             self._moved.pop(rid, None)
             if pushing is not None and not pushing.done():
                 # A task cancelled before its first step never runs its body: the blocks are freed below.
@@ -210,16 +232,35 @@ class HandoffManager:
         desc = self.agent.hold(held.request_id, held.block_ids, held.num_tokens, on_release)
         return released, PullHandoff(descriptor=desc, worker_id=self.worker_id)
 
-    async def _push(self, held: HeldKV, first_token_id: int) -> None:
+    async def _push(self, held: HeldKV, first_token_id: int, trace: Any = None) -> None:
         """PREFILL, push: write the prompt's KV and the first token into the blocks the decode side
         reserved for this request id; `serve` frees the engine's blocks once this has ended."""
         rid = held.request_id
+        span = tracing.start("kv_push", trace, {"dynamo_pd.kv.transport": self.agent.transport.name,
+                                                "dynamo_pd.kv.blocks": len(held.block_ids)})
         try:
             target = await self.agent.wait_push_target(rid, self.times.lease_s)
+            span.add_event("reserved")  # the decode side's blocks are known: the write starts
             # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
-            await self.agent.push(target, held.block_ids, payload=_encoder.encode((first_token_id, time.time())))
+            nbytes = await self.agent.push(target, held.block_ids,
+                                           payload=_encoder.encode((first_token_id, time.time())))
+            span.set_attribute("dynamo_pd.kv.bytes", nbytes)
         except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
             log.warning("push of %s failed: %s", rid, exc)
+            tracing.end(span, exc)
+        finally:
+            tracing.end(span)
+
+    def _trace_transfer(self, moved: _Moved, trace: Any) -> None:
+        """DECODE: the KV transfer's span, recorded when the first output carries its figures."""
+        nbytes, seconds = moved.stats.nbytes, moved.stats.seconds
+        span = tracing.start("kv_transfer", trace, {
+            "dynamo_pd.kv.transport": self.agent.transport.name, "dynamo_pd.kv.mode": moved.mode,
+            "dynamo_pd.kv.blocks": moved.blocks, "dynamo_pd.kv.bytes": nbytes,
+            "dynamo_pd.kv.seconds": seconds,
+            "dynamo_pd.kv.gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        }, start_ns=moved.ended_ns - int(seconds * 1e9))
+        tracing.end(span, end_ns=moved.ended_ns)
 
     async def load_kv(self, handoff: Handoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
         """DECODE: the engine's kv_loader. Fills `local_block_ids` past the `cached_blocks` it has; returns
@@ -231,7 +272,8 @@ class HandoffManager:
         start = time.perf_counter()
         moved = await self.agent.pull(handoff.descriptor, local_block_ids[cached_blocks:],
                                       skip_prefix_blocks=cached_blocks)
-        self._moved[handoff.request_id] = TransferStats(moved, time.perf_counter() - start)
+        self._moved[handoff.request_id] = _Moved(TransferStats(moved, time.perf_counter() - start),
+                                                 len(local_block_ids) - cached_blocks, "pull", time.time_ns())
         return None
 
     async def load_prefix(self, request: EngineRequest, local_block_ids: list[int],
@@ -270,8 +312,9 @@ class HandoffManager:
         if reason is not ReleaseReason.DONE:
             raise TransferError(f"push of {rid!r} from {handoff.worker_id} ended: {reason.value}")
         first_token_id, started = msgspec.msgpack.decode(payload)
-        self._moved[rid] = TransferStats(len(blocks) * self.agent.memory.layout.block_bytes,
-                                         max(0.0, time.time() - started))
+        seconds = max(0.0, time.time() - started)
+        stats = TransferStats(len(blocks) * self.agent.memory.layout.block_bytes, seconds)
+        self._moved[rid] = _Moved(stats, len(blocks), "push", time.time_ns())
         return first_token_id
 
 

@@ -20,6 +20,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from dynamo_pd import tracing
 from dynamo_pd.engines.base import EngineRole, engine_entry, engine_names
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from dynamo_pd.worker import Worker, WorkerConfig, parse_args, start_endpoint
@@ -62,6 +63,7 @@ def named(config: WorkerConfig, worker_id: str) -> WorkerConfig:
 async def serve(options: Options) -> None:
     config = options.config
     endpoint = await start_endpoint(config)  # one for the process, each series labelled by its worker
+    tracing.setup(config.tracing, f"dynamo-pd-{config.engine_config.role.value}", config.worker_id)
     workers = [Worker(named(config, f"{config.worker_id}-{i}" if config.worker_id else ""), endpoint)
                for i in range(options.workers)]
     stop = asyncio.Event()
@@ -84,6 +86,7 @@ async def serve(options: Options) -> None:
             await cancel_and_wait([control])
         await asyncio.gather(*(worker.stop() for worker in workers))
         await endpoint.close()
+        tracing.shutdown()  # what is still queued is exported
 
 
 async def _control(config: WorkerConfig, endpoint: WorkerEndpoint, workers: list[Worker], stop: asyncio.Event

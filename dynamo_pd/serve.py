@@ -37,6 +37,7 @@ from dynamo_pd.engines.base import EngineRole, engine_entry
 from dynamo_pd.model_store import ModelFetchError, ModelNotFoundError, resolve_model
 from dynamo_pd.planner.config import AGGREGATED, DISAGGREGATED, add_planner_args, planner_config
 from dynamo_pd.runtime.security import configure
+from dynamo_pd import tracing
 
 _READY_TIMEOUT_S = 600.0
 _STOP_GRACE_S = 10.0
@@ -68,6 +69,7 @@ def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         "are the counts to start with, the planner's flags below the rest (no --pin-cores)")
     add_planner_args(p)
     add_frontend_args(p)
+    tracing.add_args(p)  # the frontend and every worker get the same
     return p
 
 
@@ -88,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         p.error(f"--aggregated must be >= 1, got {args.aggregated}")
     check_namespace(args.namespace)
     check_frontend_args(p, args)
+    args.tracing = tracing.config_from_args(p, args)
     if args.planner:
         args.planner_config = cfg = planner_config(p, args, AGGREGATED if args.aggregated else DISAGGREGATED,
                                                    args.max_num_batched_tokens)
@@ -137,7 +140,7 @@ def _discovery_url(args: argparse.Namespace) -> str:
 
 def _plane(args: argparse.Namespace) -> list[str]:
     return ["--namespace", args.namespace, *(["--events", args.nats] if args.nats else []),
-            *security_argv(args)]
+            *security_argv(args), *tracing.argv(args.tracing)]
 
 
 def _worker_common(args: argparse.Namespace) -> list[str]:

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_pd import tracing
 from dynamo_pd.cli import NAMESPACE_HELP, add_engine_args, add_kv_args, check_namespace, engine_config
 from dynamo_pd.credentials import add_security_args, security_from_args
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, load_engine_class
 from dynamo_pd.handoff import HandoffManager
 from dynamo_pd.model_store import DEFAULT_MODEL
-from dynamo_pd.protocol import EngineRequest, LoadMetrics, WorkerInfo
+from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import (
     DiscoveryUnavailableError,
     EventPlaneError,
@@ -45,6 +46,7 @@ from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher
 from dynamo_pd.runtime.ports import advertise_host
 from dynamo_pd.runtime.security import Security
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from dynamo_pd.tracing import TracingConfig
 from dynamo_pd.worker_metrics import WorkerEndpoint
 from router.events import encode_batch
 from router.load import FetchCosts
@@ -76,6 +78,7 @@ class WorkerConfig:
     load_interval_s: float = 0.5
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish before they are moved
     metrics_port: int = 0  # /metrics, /health and /ready on --host (0: a free port)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # --otlp-endpoint
 
 
 class Worker:
@@ -231,8 +234,52 @@ class Worker:
         """Stream a request's outputs, its hand-off done by the manager (a PREFILL stream stays open
         until the decode side has the KV, so a caller that goes away frees the held blocks at once)."""
         request = _request_decoder.decode(payload)
-        async for out in self.handoff.serve(request, self.engine.generate(request, context)):
+        trace = tracing.extract(context.metadata)  # None unless both the caller and this process trace it
+        if trace is None:
+            outputs = self.handoff.serve(request, self.engine.generate(request, context))
+        else:
+            outputs = self._traced(request, context, trace)
+        async for out in outputs:
             yield _encoder.encode(out)
+
+    async def _traced(self, request: EngineRequest, context: RequestContext, trace: Any,
+                      ) -> AsyncIterator[EngineOutput]:
+        """The request's outputs under this worker's span: prefill (until its first output: the hand-off's
+        own span follows beside it), decode (with the KV transfer under it) or generate (aggregated)."""
+        name = {EngineRole.PREFILL: "prefill", EngineRole.DECODE: "decode"}.get(self.role, "generate")
+        stats = self.engine.stats
+        span = tracing.start(name, trace, {
+            "dynamo_pd.worker_id": self.worker_id, "dynamo_pd.engine": self.config.engine,
+            "dynamo_pd.request_id": request.request_id,
+            "dynamo_pd.prompt_tokens": len(request.prompt_token_ids),
+            "dynamo_pd.resume_tokens": len(request.resume_token_ids),
+            "dynamo_pd.handoff": type(request.handoff).__name__ if request.handoff is not None else "none",
+            # what the request queues behind as it arrives
+            **({"dynamo_pd.engine.running": stats.num_running, "dynamo_pd.engine.waiting": stats.num_waiting}
+               if stats is not None else {})})
+        context.metadata = tracing.carrier(span)  # an engine that traces (vLLM, SGLang) continues under it
+        prefill = self.role is EngineRole.PREFILL
+        first = True
+        try:
+            outputs = self.handoff.serve(request, self.engine.generate(request, context),
+                                         trace if prefill else tracing.under(span))
+            async for out in outputs:
+                if out.finish_reason == "error":
+                    tracing.end(span, out.error or "generation failed")
+                if first and (out.token_ids or out.finish_reason):
+                    first = False
+                    if out.usage is not None:
+                        span.set_attribute("dynamo_pd.cached_tokens", out.usage.cached_tokens)
+                    if prefill:
+                        tracing.end(span)
+                    else:
+                        span.add_event("first_token")
+                yield out
+        except Exception as exc:
+            tracing.end(span, exc)
+            raise
+        finally:
+            tracing.end(span)
 
 
 async def _connect_discovery(url: str, namespace: str, security: Security, patience_s: float = 60.0):
@@ -276,6 +323,7 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
                         help="serve /metrics (Prometheus), /health and /ready on --host at this port (default "
                              "0: a free port, printed in the ready line and registered in discovery)")
     add_security_args(parser)
+    tracing.add_args(parser)
     add_engine_args(parser)
     args, passthrough = parser.parse_known_args(argv)
     if args.drain_timeout_s < 0:
@@ -292,7 +340,7 @@ def parse_args(role: EngineRole, argv: list[str] | None = None) -> WorkerConfig:
         events=args.events, kv_transport=args.kv_transport, kv_handoff=args.kv_handoff, host=args.host,
         advertise_host=args.advertise_host, security=security_from_args(args), worker_id=args.worker_id,
         served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout_s,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, tracing=tracing.config_from_args(parser, args),
     )
 
 
@@ -307,6 +355,7 @@ async def start_endpoint(config: WorkerConfig) -> WorkerEndpoint:
 async def serve_worker(config: WorkerConfig) -> None:
     endpoint = await start_endpoint(config)
     worker = Worker(config, endpoint)
+    tracing.setup(config.tracing, f"dynamo-pd-{worker.role.value}", worker.worker_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals: list[signal.Signals] = []
@@ -322,6 +371,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     finally:
         await worker.stop()
         await endpoint.close()
+        tracing.shutdown()  # what is still queued is exported
 
 
 def main(role: EngineRole, argv: list[str] | None = None) -> None:

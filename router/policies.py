@@ -1,7 +1,8 @@
 """Routing policies: given the eligible workers (overlap and load of each), pick one.
 
 All policies implement `choose(candidates, request) -> Candidate`; candidates are never empty
-(the service filters busy workers first and raises Overloaded when none is left).
+(the service filters busy workers first and raises Overloaded when none is left). Those that score
+candidates also give the scores, `costs(candidates, request)` (the lowest wins), for a trace to show.
 
 - TimePolicy (the default): the predicted seconds the request adds, on w, to its own latency and to
   that of the requests already there, from w's measured step costs (router.load.StepCosts: p seconds
@@ -94,10 +95,14 @@ class KvAwarePolicy:
         total = sum(weights)
         return [w / total for w in weights]
 
+    def costs(self, candidates: list[Candidate], request: RouteRequest) -> list[float]:
+        """Each candidate's logit (a trace shows them)."""
+        return [self.logit(c, request) for c in candidates]
+
     def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
         if self.temperature > 0:
             return self._rng.choices(candidates, self.probabilities(candidates, request))[0]
-        logits = [self.logit(c, request) for c in candidates]
+        logits = self.costs(candidates, request)
         best = min(logits)
         return self._rng.choice([c for c, x in zip(candidates, logits) if x == best])
 
@@ -123,8 +128,12 @@ class TimePolicy:
         others = load.requests * (k.prefill_s_per_token * uncached + k.output_tokens * k.decode_s_per_block * blocks)
         return own + others
 
+    def costs(self, candidates: list[Candidate], request: RouteRequest) -> list[float]:
+        """Each candidate's predicted seconds."""
+        return [self.cost(c, k, request) for c, k in zip(candidates, self.fleet_costs(candidates))]
+
     def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
-        costs = [self.cost(c, k, request) for c, k in zip(candidates, self.fleet_costs(candidates))]
+        costs = self.costs(candidates, request)
         best = min(costs)
         return self._rng.choice([c for c, x in zip(candidates, costs) if x == best])
 

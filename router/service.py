@@ -11,6 +11,7 @@
     router.update_load_metrics(LoadMetrics(...))
     router.worker_failed("d0")              # the circuit breaker (router.breaker) beneath succeeded / failed
     router.place(..., exclude={"d0"})       # a retry or a migration: not on the workers that failed it
+    router.place(..., explain=True)         # each RouteDecision lists the candidates and their scores
 
 Pools (router.worker.Role): PREFILL (overlap + load), DECODE (load; overlap too when `local_prefill`,
 i.e. the decode worker prefills the prompt itself), AGGREGATED (overlap + load). `place` picks the pools:
@@ -97,6 +98,14 @@ class RouterConfig:
         )
 
 
+class Scored(typing.NamedTuple):
+    """One candidate a route weighed (place(..., explain=True)): a trace's view of the choice."""
+
+    worker_id: WorkerId
+    overlap_blocks: int
+    cost: float | None  # the policy's score, lowest wins (time: predicted seconds); None: it scores none
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     worker_id: WorkerId
@@ -104,6 +113,7 @@ class RouteDecision:
     overlap_blocks: int  # leading prompt blocks already cached on the chosen worker
     cached_tokens: int
     prompt_tokens: int
+    candidates: tuple[Scored, ...] = ()  # explain=True: every worker not busy that it chose among
 
 
 class Placement:
@@ -204,9 +214,10 @@ class KvRouter:
 
     # -- requests ----------------------------------------------------------------------------------
     def place(self, request_id: str, token_ids: Sequence[int], salt: str | None = None, *,
-              local_prefill_tokens: int = 0, exclude: Collection[WorkerId] = ()) -> Placement:
+              local_prefill_tokens: int = 0, exclude: Collection[WorkerId] = (),
+              explain: bool = False) -> Placement:
         """The frontend's one question: which workers serve this request (the prompt hashed once),
-        none of them in `exclude`."""
+        none of them in `exclude`; `explain`: each decision lists the candidates it weighed."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
         if self.block_size is None:
@@ -214,15 +225,18 @@ class KvRouter:
         hashes = block_hashes(token_ids, self.block_size, salt)
         if not self.workers(Role.DECODE):
             return Placement(self, request_id, {Role.AGGREGATED: self.route(Role.AGGREGATED, request_id, token_ids,
-                                                                            hashes=hashes, exclude=exclude)})
+                                                                            hashes=hashes, exclude=exclude,
+                                                                            explain=explain)})
         remote = bool(self.workers(Role.PREFILL))
         local = local_prefill_tokens > 0 or not remote  # only then does overlap on the decode worker matter
-        decode = self.route(Role.DECODE, request_id, token_ids, local_prefill=local, hashes=hashes, exclude=exclude)
+        decode = self.route(Role.DECODE, request_id, token_ids, local_prefill=local, hashes=hashes,
+                            exclude=exclude, explain=explain)
         routes = {Role.DECODE: decode}
         if not remote or (local and len(token_ids) - decode.cached_tokens <= local_prefill_tokens):
             return Placement(self, request_id, routes)
         try:
-            routes[Role.PREFILL] = self.route(Role.PREFILL, request_id, token_ids, hashes=hashes, exclude=exclude)
+            routes[Role.PREFILL] = self.route(Role.PREFILL, request_id, token_ids, hashes=hashes,
+                                              exclude=exclude, explain=explain)
         except RoutingError as exc:
             return Placement(self, request_id, routes, prefill_refused=exc)
         return Placement(self, request_id, routes)
@@ -236,6 +250,7 @@ class KvRouter:
         local_prefill: bool = False,
         hashes: Sequence[int] | None = None,  # the prompt's block_hashes, when the caller has them already
         exclude: Collection[WorkerId] = (),
+        explain: bool = False,
     ) -> RouteDecision:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -273,7 +288,9 @@ class KvRouter:
         overlap = chosen.overlap_blocks
         prefill_tokens = max(0, len(token_ids) - overlap * request.block_size) if uses_overlap else 0
         self._place(LoadKey(request_id, pool), chosen.worker_id, prefill_tokens, request.request_blocks)
-        return RouteDecision(chosen.worker_id, pool, overlap, overlap * request.block_size, len(token_ids))
+        weighed = self._explain(free, request) if explain else ()
+        return RouteDecision(chosen.worker_id, pool, overlap, overlap * request.block_size, len(token_ids),
+                             weighed)
 
     def mark_prefill_done(self, request_id: str, pool: Role | str | None = None) -> None:
         for key in self._keys(request_id, pool):
@@ -288,6 +305,11 @@ class KvRouter:
     def update_load_metrics(self, metrics: LoadMetrics) -> None:
         if metrics.worker_id in self._pool_of:
             self.load.report(metrics)
+
+    def _explain(self, candidates: list[Candidate], request: RouteRequest) -> tuple[Scored, ...]:
+        scores = getattr(self.policy, "costs", None)
+        costs = scores(candidates, request) if scores is not None else [None] * len(candidates)
+        return tuple(Scored(c.worker_id, c.overlap_blocks, cost) for c, cost in zip(candidates, costs))
 
     def _busy(self, c: Candidate) -> bool:
         cfg = self.config

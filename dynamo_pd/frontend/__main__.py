@@ -11,6 +11,7 @@ import signal
 
 import uvicorn
 
+from dynamo_pd import tracing
 from dynamo_pd.cli import NAMESPACE_HELP, add_frontend_args, check_frontend_args, check_namespace, frontend_defaults
 from dynamo_pd.credentials import add_api_key_args, add_security_args, api_key_from_args, security_from_args
 from dynamo_pd.frontend.app import FrontendConfig, create_app
@@ -57,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_api_key_args(p)
     add_frontend_args(p)
     add_security_args(p)
+    tracing.add_args(p)
     args = p.parse_args(argv)
+    args.tracing = tracing.config_from_args(p, args)
     args.api_key = api_key_from_args(args)
     args.security = security_from_args(args)
     if not (args.discovery.startswith("tcp://") or args.discovery.startswith("etcd://")):
@@ -92,6 +95,7 @@ def backend_factory(args: argparse.Namespace, events: EventPlane, metrics: Metri
 
 
 async def run(args: argparse.Namespace) -> None:
+    tracing.setup(args.tracing, "dynamo-pd-frontend")
     closers = []
     configure(args.security)  # every socket of this process: its RPC client, KV event readers, discovery
     if args.discovery.startswith("tcp://"):
@@ -126,6 +130,7 @@ async def run(args: argparse.Namespace) -> None:
     finally:
         for close in closers:
             await close()
+        tracing.shutdown()  # what is still queued is exported
 
 
 def reload(args: argparse.Namespace, gateway: Gateway) -> None:

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from dynamo_pd import tracing
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.frontend import openai as oai, structured
 from dynamo_pd.frontend.fields import FieldPolicy
@@ -307,6 +308,11 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                     reader_for: Callable[[Backend, list[int]], OutputReader | None] | None = None,
                     ) -> Response:
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        # the trace's root (or the client's traceparent's child); NOOP when tracing is off or not sampled
+        span = tracing.request_span(http.headers, {"dynamo_pd.request_id": rid, "dynamo_pd.kind": kind,
+                                                   "dynamo_pd.model": body.model,
+                                                   "dynamo_pd.stream": bool(body.stream)})
+        admission = tracing.start("admission", tracing.under(span))
         key = client_key(http.headers, http.client.host if http.client else "")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
         inline = int(http.headers.get("content-length") or _INLINE_BODY_BYTES + 1) <= _INLINE_BODY_BYTES
@@ -340,8 +346,12 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
                 charged = True
             reader = reader_for(backend, ids) if reader_for is not None else None
-            context = RequestContext(rid)
-            stream = _timed(queued(backend.generate(request, context), models.limiter, name), metrics)
+            if admission.is_recording():  # admitted: the first model's admission (a fallback's is a retry's)
+                admission.set_attributes({"dynamo_pd.model": name, "dynamo_pd.prompt_tokens": len(ids),
+                                          "dynamo_pd.max_tokens": request.stop.max_tokens})
+                tracing.end(admission)
+            context = RequestContext(rid, tracing.carrier(span))  # the backend's spans are the request's
+            stream = _timed(queued(backend.generate(request, context), models.limiter, name), metrics, span)
             first = await _unless_gone(gone, anext(stream))  # errors before it: HTTP errors
             return backend, stream, first, context
 
@@ -372,9 +382,10 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 headers["x-dynamo-pd-worker"] = context.worker_id
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader)
+                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader, span)
                 response = EventStream(sse, gone, headers)
-                stream, status, gone = None, None, None  # the response owns them: it notices a client leaving
+                # the response owns them: it notices a client leaving, counts the request and ends its span
+                stream, status, gone = None, None, None
                 return response
             outputs = [first, *await _unless_gone(gone, _collect(stream))]
             whole = oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs, reader)
@@ -392,8 +403,10 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 gone.cancel()
             if stream is not None:
                 await stream.aclose()
+            tracing.end(admission)  # refused before it was admitted
             if status is not None:
                 metrics.requests.labels(kind, status).inc()
+                _end_span(span, status)
 
     return app
 
@@ -439,8 +452,17 @@ async def _chain(first: EngineOutput, rest: AsyncIterator[EngineOutput]) -> Asyn
         yield out
 
 
-async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics) -> AsyncIterator[EngineOutput]:
-    """Record TTFT, ITL and usage, and count the request in flight while it is."""
+def _end_span(span: Any, status: str) -> None:
+    """The request's span ends with its HTTP status; a server error (5xx) marks it failed."""
+    if span is not tracing.NOOP:
+        span.set_attribute("http.response.status_code", int(status))
+        tracing.end(span, f"HTTP {status}" if status >= "500" else None)
+
+
+async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics, span: Any = tracing.NOOP,
+                 ) -> AsyncIterator[EngineOutput]:
+    """Record TTFT, ITL and usage, and count the request in flight while it is; the TTFT is a span of the
+    request's trace too (first_token, stamped when the frontend has the token)."""
     start = last = time.perf_counter()
     first = True
     metrics.inflight.inc()
@@ -453,6 +475,9 @@ async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics) -> Async
                     metrics.ttft.observe(now - start)
                     metrics.queued.dec()
                     first = False
+                    if span is not tracing.NOOP:
+                        tracing.end(tracing.start("first_token", tracing.under(span), {
+                            "dynamo_pd.ttft_s": now - start, "dynamo_pd.tokens": len(out.token_ids)}))
                 else:
                     metrics.itl.observe((now - last) / len(out.token_ids))
                 last = now
@@ -480,7 +505,8 @@ async def _wait_disconnect(http: Request) -> None:
 
 
 async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
-               metrics: Metrics, reader: OutputReader | None = None) -> AsyncIterator[bytes]:
+               metrics: Metrics, reader: OutputReader | None = None, span: Any = tracing.NOOP,
+               ) -> AsyncIterator[bytes]:
     """The response's events, those of one output in one item (with the first, the role chunk; with the
     last, the usage chunk and the end)."""
     chunks, decode = Chunks(kind, rid, backend.model_name), backend.tokenizer.decode
@@ -512,5 +538,6 @@ async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[Engi
     finally:
         metrics.requests.labels(kind, status).inc()
         await stream.aclose()
+        _end_span(span, status)
     if not done:
         yield data + DONE

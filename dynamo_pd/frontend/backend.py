@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from dynamo_pd import tracing
 from dynamo_pd.frontend.kv_events import KvEventFollower
 from dynamo_pd.frontend.membership import Membership
 from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
@@ -161,41 +162,65 @@ class RemoteBackend:
 
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         """Stream the request from where the router places it; a worker that fails it hands it on
-        (dynamo_pd.frontend.migration: a retry before the client's first token, a migration after)."""
+        (dynamo_pd.frontend.migration: a retry before the client's first token, a migration after).
+        Traced (context.metadata holds the request's span): a span per attempt (the first, each retry or
+        migration), the routing under it, and the workers' spans under that (the calls carry it)."""
+        trace = tracing.extract(context.metadata)
         journey = Journey(request, self.config.migration_limit)
+        span = tracing.start("attempt", trace, {"dynamo_pd.move": 0})
         try:
-            placement, attempt = self._place(journey)
+            placement, attempt = self._place(journey, span)
         except RoutingError as exc:
+            tracing.end(span, exc)
             raise OverloadedError(str(exc)) from exc
         try:
             while True:
                 context.worker_id = placement.decode.worker_id
+                context.metadata = tracing.carrier(span)
                 try:
                     async for out in self._attempt(placement, attempt, journey, context):
                         yield out
                     return
                 except WorkerFailure as failure:
+                    tracing.end(span, failure)
                     if journey.finished:  # the client has the whole answer; only the stream's end was lost
                         return
                     out_s = placement.failed(placement.decode.pool)  # the failure is the streaming worker's
                     placement.finished()
-                    placement, attempt = self._move(journey, failure, out_s)
+                    span = tracing.start("migration" if journey.sent else "retry", trace, {
+                        "dynamo_pd.move": journey.moves + 1, "dynamo_pd.reason": failure.reason,
+                        "dynamo_pd.failed_worker": failure.worker_id,
+                        "dynamo_pd.tokens_sent": len(journey.sent)})
+                    placement, attempt = self._move(journey, failure, out_s, span)
         finally:
             placement.finished()
+            tracing.end(span)
 
-    def _place(self, journey: Journey) -> tuple[Placement, EngineRequest]:
+    def _place(self, journey: Journey, span: Any = tracing.NOOP) -> tuple[Placement, EngineRequest]:
         """Place the next attempt, never on a worker that failed the request; a migration goes to a
-        worker that resumes and prefills prompt + the client's tokens itself (its prefix cache helps)."""
+        worker that resumes and prefills prompt + the client's tokens itself (its prefix cache helps).
+        Traced, a route span under `span` holds the candidates each pool weighed and its choice."""
         request = journey.attempt()
         tokens, local, exclude = request.prompt_token_ids, self.config.local_prefill_tokens, set(journey.failed)
         if request.resume_token_ids:
             tokens = tokens + request.resume_token_ids
             local = len(tokens)
             exclude |= {w for w, info in self.workers.items() if not info.resumes}
-        return self.router.place(request.request_id, tokens, request.cache_salt, local_prefill_tokens=local,
-                                 exclude=exclude), request
+        route = tracing.start("route", tracing.under(span))
+        try:
+            placement = self.router.place(request.request_id, tokens, request.cache_salt,
+                                          local_prefill_tokens=local, exclude=exclude,
+                                          explain=route.is_recording())
+        except RoutingError as exc:
+            tracing.end(route, exc)
+            raise
+        if route.is_recording():
+            route.set_attributes(_route_attributes(placement, self.router.config.policy))
+            tracing.end(route)
+        return placement, request
 
-    def _move(self, journey: Journey, failure: WorkerFailure, out_s: float) -> tuple[Placement, EngineRequest]:
+    def _move(self, journey: Journey, failure: WorkerFailure, out_s: float,
+              span: Any = tracing.NOOP) -> tuple[Placement, EngineRequest]:
         """Place the request anew (the failed worker is out of routing for `out_s`); raise the worker's
         error when the request cannot move."""
         rid, kind = journey.request.request_id, "migration" if journey.sent else "retry"
@@ -203,12 +228,13 @@ class RemoteBackend:
         if why is None:
             journey.moves += 1
             try:
-                placed = self._place(journey)
+                placed = self._place(journey, span)
             except RoutingError as exc:
                 why = f"no other worker can take it ({exc})" if not journey.sent else \
                     f"no other worker whose engine resumes a request can take it ({exc})"
         if why is not None:
             log.warning("request %s: %s; it cannot move: %s", rid, failure, why)
+            tracing.end(span, f"it cannot move: {why}")
             raise failure.cause
         (self.metrics.migrations if journey.sent else self.metrics.retries).labels(failure.reason).inc()
         log.warning("request %s: %s (kept out of routing %gs); %s %d to %s after %d tokens", rid, failure, out_s,
@@ -268,7 +294,7 @@ class RemoteBackend:
     async def _disaggregated(self, placement: Placement, request: EngineRequest,
                              context: RequestContext) -> AsyncIterator[EngineOutput]:
         prefill = self.workers.get(placement.prefill.worker_id)
-        prefill_context = RequestContext(request.request_id)
+        prefill_context = RequestContext(request.request_id, context.metadata)
         prefill_stream = decode_stream = decode_started = None
         try:
             try:
@@ -362,6 +388,29 @@ class RemoteBackend:
                 echo_pending, out = False, _drop_echo(out)
             if out.token_ids or out.text or out.finish_reason:
                 yield out
+
+
+def _route_attributes(placement: Placement, policy: str) -> dict[str, Any]:
+    """A route span's attributes: per pool, the worker chosen, its overlap and the candidates it was chosen
+    among (their overlap, and the policy's score of each where it scores them: the lowest won)."""
+    attributes: dict[str, Any] = {"dynamo_pd.route.policy": policy}
+    for role, decision in placement.routes.items():
+        key = f"dynamo_pd.route.{role.value}"
+        candidates = decision.candidates
+        attributes.update({f"{key}.worker": decision.worker_id,
+                           f"{key}.overlap_blocks": decision.overlap_blocks,
+                           f"{key}.cached_tokens": decision.cached_tokens,
+                           f"{key}.candidates": [c.worker_id for c in candidates],
+                           f"{key}.candidate_overlap_blocks": [c.overlap_blocks for c in candidates]})
+        costs = [c.cost for c in candidates]
+        if costs and None not in costs:
+            attributes[f"{key}.candidate_costs"] = costs
+            chosen = next(c for c in candidates if c.worker_id == decision.worker_id)
+            attributes[f"{key}.predicted_cost"] = chosen.cost
+        attributes["dynamo_pd.prompt_tokens"] = decision.prompt_tokens
+    if placement.prefill_refused is not None:
+        attributes["dynamo_pd.route.prefill_refused"] = str(placement.prefill_refused)
+    return attributes
 
 
 def _joined(a: EngineOutput, b: EngineOutput) -> EngineOutput | None:

@@ -13,11 +13,14 @@ T = TypeVar("T")
 
 class RequestContext:
     """Cancellation: the caller (or the RPC server, for a client gone) cancels, the engine aborts. In the
-    frontend it also names the worker the router placed the request on (the x-dynamo-pd-worker header)."""
+    frontend it also names the worker the router placed the request on (the x-dynamo-pd-worker header).
+    `metadata` is what the request carries across processes besides its payload (the RPC client sends it
+    with the call, the server's context has it; W3C trace headers, dynamo_pd.tracing): strings, {} if none."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, metadata: dict[str, str] | None = None):
         self.request_id = request_id
         self.worker_id: str | None = None
+        self.metadata: dict[str, str] = metadata or {}
         self._cancelled = asyncio.Event()
 
     def cancel(self) -> None:

@@ -16,6 +16,7 @@ Every way out is bounded and typed:
   - nothing within `first_response_timeout_s`      -> FirstResponseTimeoutError (the stream is cancelled)
   - then nothing for `inter_response_timeout_s`    -> StreamStalledError (the stream is cancelled)
   - `context.cancel()` while streaming             -> RequestCancelledError
+`context.metadata` goes with the call: the handler's context has it.
 Leaving the loop early (break, aclose, the consuming task cancelled) or any of the errors above
 sends a Cancel, so the worker's context is cancelled and it aborts the work.
 `stream_batches` yields the same chunks as lists: every chunk that had arrived when the caller asked, so
@@ -126,13 +127,13 @@ class _Connection:
                        asyncio.create_task(self._watch_connection(), name=f"rpc-monitor-{endpoint}"),
                        asyncio.create_task(self._ping(), name=f"rpc-ping-{endpoint}")]
 
-    def open(self, payload: bytes, request_id: str) -> tuple[int, _Inbox]:
+    def open(self, payload: bytes, context: RequestContext) -> tuple[int, _Inbox]:
         if self.gone is not None:
             raise self.gone
         stream = next(self._ids)
         inbox = _Inbox()
         self._streams[stream] = inbox
-        self._send([wire.encoder.encode(wire.Open(stream, request_id)), payload])
+        self._send([wire.encoder.encode(wire.Open(stream, context.request_id, context.metadata)), payload])
         return stream, inbox
 
     def close_stream(self, stream: int, cancel: bool) -> None:
@@ -291,7 +292,7 @@ class RpcClient:
         if context.cancelled:
             raise RequestCancelledError(f"request {context.request_id} was cancelled before it was sent")
         conn = await self._connection(endpoint)
-        stream, inbox = conn.open(payload, context.request_id)
+        stream, inbox = conn.open(payload, context)
 
         async def forward_cancel() -> None:
             await context.wait_cancelled()

@@ -10,10 +10,10 @@
     await server.drain(timeout_s)           # refuse new streams, let open ones finish, end the rest
     ...; await server.close()               # cancels every open stream
 
-Each stream runs the handler in its own task with a fresh RequestContext. A client's Cancel, a
-client silent for `client_timeout_s` (it pings every second while it has streams) or a client
-that is gone sets the context and cancels the task, so the handler's `finally` frees what it
-holds. A handler's `InvalidRequestError` reaches the client as itself (the client's fault); any
+Each stream runs the handler in its own task with a fresh RequestContext, holding the metadata the
+call carried. A client's Cancel, a client silent for `client_timeout_s` (it pings every second while it
+has streams) or a client that is gone sets the context and cancels the task, so the handler's `finally`
+frees what it holds. A handler's `InvalidRequestError` reaches the client as itself (the client's fault); any
 other exception as `RemoteError(type name, message)`. While draining, a new stream is refused and a
 stream the drain timeout cuts short is ended, both with `WorkerDrainingError`: the caller serves the
 request elsewhere (the frontend retries or migrates it).
@@ -134,7 +134,7 @@ class RpcServer:
             elif isinstance(msg, wire.Open):
                 key = (peer, msg.stream)
                 payload = frames[2] if len(frames) > 2 else b""
-                context = RequestContext(msg.request_id)
+                context = RequestContext(msg.request_id, msg.metadata)
                 task = asyncio.create_task(self._run(key, payload, context), name=f"rpc-{msg.request_id}")
                 self._streams[key] = (task, context)
             elif isinstance(msg, wire.Cancel):

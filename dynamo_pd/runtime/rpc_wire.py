@@ -10,9 +10,10 @@ from __future__ import annotations
 import msgspec
 
 
-class Open(msgspec.Struct, tag=True):
+class Open(msgspec.Struct, tag=True, omit_defaults=True):
     stream: int
     request_id: str
+    metadata: dict[str, str] = {}  # RequestContext.metadata; not on the wire when empty
 
 
 class Cancel(msgspec.Struct, tag=True):
