@@ -169,9 +169,15 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="how often each worker gets a canary request (one token); a worker that fails it leaves "
                         "routing until it passes again (0: no health checks)")
     g.add_argument("--health-check-timeout-s", type=float, default=10.0, help="a canary slower than this fails")
+    g.add_argument("--frontend-processes", type=int, default=1, metavar="N",
+                   help="frontend processes serving one port (SO_REUSEPORT: the kernel spreads connections), each "
+                        "with its own router; they share their placements on the event plane (use the cores of "
+                        "the frontend's host)")
 
 
 def check_frontend_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.frontend_processes < 1:
+        p.error(f"--frontend-processes must be >= 1, got {args.frontend_processes}")
     if args.inter_token_timeout_s <= 0:
         p.error(f"--inter-token-timeout-s must be > 0, got {args.inter_token_timeout_s}")
     if args.migration_limit < 0:

@@ -1,13 +1,23 @@
 """`python -m dynamo_pd.frontend`: the OpenAI-compatible HTTP server, a KV router per model its
 workers register (dynamo_pd.frontend.gateway) and, unless etcd is given, the embedded discovery
-server the workers register with."""
+server the workers register with.
+
+With --frontend-processes N this process starts N - 1 more like it (they join its discovery instead of
+hosting one) and all of them listen on the one port with SO_REUSEPORT, so the kernel spreads connections
+over N event loops (N cores). Each has its own routers, fed by every worker's KV events and load reports;
+their placements reach each other on the event plane (frontend.replicas), as separate frontends' do. The
+siblings stop with this process (SIGTERM from it, and from the kernel if it dies)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import signal
+import socket
+import subprocess
+import sys
 
 import uvicorn
 
@@ -52,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="etcd://HOST:PORT, or tcp://HOST:PORT where this frontend hosts embedded discovery")
     p.add_argument("--namespace", default="dynamo_pd", help=NAMESPACE_HELP)
     p.add_argument("--events", default=None, help="nats://HOST:PORT (default: ZMQ)")
+    p.add_argument("--join-discovery", action="store_true", help=argparse.SUPPRESS)  # a sibling's: hosted elsewhere
     p.add_argument("--approx-kv-ttl-s", type=float, default=120.0,
                    help="workers that publish no KV events (--engine http): how long the router predicts a prompt "
                         "it routed there stays cached")
@@ -60,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_security_args(p)
     tracing.add_args(p)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a sibling process is started with
     args.tracing = tracing.config_from_args(p, args)
     args.api_key = api_key_from_args(args)
     args.security = security_from_args(args)
@@ -98,7 +110,7 @@ async def run(args: argparse.Namespace) -> None:
     tracing.setup(args.tracing, "dynamo-pd-frontend")
     closers = []
     configure(args.security)  # every socket of this process: its RPC client, KV event readers, discovery
-    if args.discovery.startswith("tcp://"):
+    if args.discovery.startswith("tcp://") and not args.join_discovery:
         server = DiscoveryServer(args.discovery)
         await server.start()
         closers.append(server.close)
@@ -120,21 +132,68 @@ async def run(args: argparse.Namespace) -> None:
                                              reasoning_parser=args.reasoning_parser), metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_keep_alive=HTTP_KEEP_ALIVE_S, timeout_graceful_shutdown=5))
+    shared = args.frontend_processes > 1 or args.join_discovery
+    listening = listen(args.host, args.port, reuse_port=shared)
+    siblings = start_siblings(args) if args.frontend_processes > 1 else []
+    closers.insert(0, lambda: stop_siblings(siblings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    loop.add_signal_handler(signal.SIGHUP, reload, args, gateway)
+    loop.add_signal_handler(signal.SIGHUP, reload, args, gateway, siblings)
     print(f"dynamo-pd frontend listening on http://{args.host}:{args.port} (discovery {args.discovery})", flush=True)
     try:
-        await server.serve()
+        await server.serve(sockets=[listening])
     finally:
         for close in closers:
             await close()
         tracing.shutdown()  # what is still queued is exported
 
 
-def reload(args: argparse.Namespace, gateway: Gateway) -> None:
-    """SIGHUP: the configuration file again (and the flags over it); a bad one changes nothing."""
+def listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The HTTP socket; with `reuse_port`, one of several processes' sockets on this port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: the frontend cannot listen on {host}:{port}: {exc} (--port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """In a sibling, before it runs: SIGTERM when the process that started it dies (Linux's PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def start_siblings(args: argparse.Namespace) -> list[subprocess.Popen]:
+    """--frontend-processes - 1 more frontends on this port, joining this one's discovery (started already)."""
+    argv = [sys.executable, "-m", "dynamo_pd.frontend", *args.argv, "--frontend-processes", "1", "--join-discovery"]
+    return [subprocess.Popen(argv, preexec_fn=_die_with_parent) for _ in range(args.frontend_processes - 1)]
+
+
+async def stop_siblings(siblings: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for proc in siblings:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in siblings:
+        try:
+            await asyncio.to_thread(proc.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("frontend process %d still running %gs after SIGTERM: killed", proc.pid, grace_s)
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+
+def reload(args: argparse.Namespace, gateway: Gateway, siblings: list[subprocess.Popen]) -> None:
+    """SIGHUP: the configuration file again (and the flags over it); a bad one changes nothing. Each
+    sibling process reads it too."""
+    for proc in siblings:
+        proc.send_signal(signal.SIGHUP)
     try:
         config = load(args.config, args, frontend_defaults())
     except ConfigError as exc:

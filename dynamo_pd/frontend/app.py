@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -169,6 +170,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 _OPEN_ROUTES = {"/health", "/ready"}
 _INLINE_BODY_BYTES = 8 << 10  # a body up to this size is templated and tokenized on the event loop
+_PROCESS = str(os.getpid())  # the frontend process that answered (one of --frontend-processes)
 
 
 def _body_too_large(limit: int) -> JSONResponse:
@@ -377,7 +379,7 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 raise failures[0]  # the error of the model the client asked for
             if name != body.model:
                 models.fell_back(body.model, name)
-            headers = {"x-dynamo-pd-model": name}
+            headers = {"x-dynamo-pd-model": name, "x-dynamo-pd-frontend": _PROCESS}
             if context.worker_id is not None:  # the worker streaming the answer (decode, aggregated) at its start
                 headers["x-dynamo-pd-worker"] = context.worker_id
             if body.stream:
