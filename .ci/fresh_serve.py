@@ -79,8 +79,15 @@ def check(work: Path) -> str:
         ready_s = time.monotonic() - start
         with urllib.request.urlopen(f"{base}/models", timeout=30) as response:
             model = json.load(response)["data"][0]["id"]
-        with post(f"{base}/chat/completions", {"model": model, "max_tokens": 16, "temperature": 0,
-                                               "messages": [{"role": "user", "content": "What is the capital of France?"}]}) as r:
+        with post(
+            f"{base}/chat/completions",
+            {
+                "model": model,
+                "max_tokens": 16,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        ) as r:
             chat = json.load(r)["choices"][0]["message"]["content"]
         if not chat.strip():
             raise RuntimeError("the chat completion came back empty")
@@ -97,8 +104,11 @@ def check(work: Path) -> str:
             raise RuntimeError(f"the streamed completion was incomplete: {pieces!r} (done={done})")
         pip_check = subprocess.run([str(work / "venv/bin/python"), "-m", "pip", "check", "--disable-pip-version-check"],
                                    capture_output=True, text=True, timeout=120)
-        problems = [line for line in (pip_check.stdout + pip_check.stderr).splitlines()
-                    if line.strip() and not line.startswith("WARNING: Location") and "No broken requirements" not in line]
+        problems = [
+            line
+            for line in (pip_check.stdout + pip_check.stderr).splitlines()
+            if line.strip() and not line.startswith("WARNING: Location") and "No broken requirements" not in line
+        ]
         if pip_check.returncode != 0 or problems:
             raise RuntimeError("pip check in the serve venv: " + "; ".join(problems))
     finally:

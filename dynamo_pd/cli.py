@@ -20,7 +20,9 @@ from router.service import POLICIES, RouterConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--engine", default="native", help=f"one of {', '.join(engine_names())} (default: native)")
-    g.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", default=None, help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (native engine)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
@@ -97,7 +99,9 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
     kv_gb = args.kv_cache_memory_gb
     if args.kv_cache_memory_fraction is not None:
         if not 0 < args.kv_cache_memory_fraction <= 1:
-            raise SystemExit(f"error: --kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}")
+            raise SystemExit(
+                f"error: --kv-cache-memory-fraction must be in (0, 1], got {args.kv_cache_memory_fraction}"
+            )
         kv_gb = args.kv_cache_memory_fraction * free_memory_bytes(args.device) / 2**30
     return EngineConfig(
         role=role,

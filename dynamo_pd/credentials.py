@@ -36,13 +36,17 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster-secret-file", default=None,
                    help=f"a file holding the cluster secret (or ${SECRET_ENV}): every ZMQ plane then speaks CURVE "
                         "and refuses peers without it; the same on every process of the deployment")
-    g.add_argument("--nats-user", default="", help="NATS user (password: --nats-password-file or $DYNAMO_PD_NATS_PASSWORD)")
+    g.add_argument(
+        "--nats-user", default="", help="NATS user (password: --nats-password-file or $DYNAMO_PD_NATS_PASSWORD)"
+    )
     g.add_argument("--nats-password-file", default=None)
     g.add_argument("--nats-token-file", default=None, help="a file holding the NATS token (or $DYNAMO_PD_NATS_TOKEN)")
     g.add_argument("--nats-tls-ca", default="", help="CA bundle to verify the NATS server (turns TLS on)")
     g.add_argument("--nats-tls-cert", default="", help="client certificate for NATS (turns TLS on)")
     g.add_argument("--nats-tls-key", default="")
-    g.add_argument("--etcd-user", default="", help="etcd user (password: --etcd-password-file or $DYNAMO_PD_ETCD_PASSWORD)")
+    g.add_argument(
+        "--etcd-user", default="", help="etcd user (password: --etcd-password-file or $DYNAMO_PD_ETCD_PASSWORD)"
+    )
     g.add_argument("--etcd-password-file", default=None)
     g.add_argument("--etcd-tls-ca", default="", help="CA bundle to verify etcd (turns TLS on)")
     g.add_argument("--etcd-tls-cert", default="", help="client certificate for etcd (turns TLS on)")
@@ -50,7 +54,9 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def security_from_args(args: argparse.Namespace) -> Security:
-    secrets = {dest: read_secret(getattr(args, dest), env, "--" + dest.replace("_", "-")) for dest, env in _SECRET_FILES}
+    secrets = {
+        dest: read_secret(getattr(args, dest), env, "--" + dest.replace("_", "-")) for dest, env in _SECRET_FILES
+    }
     if bool(args.etcd_user) != bool(secrets["etcd_password_file"]):
         raise SystemExit("error: etcd credentials need both --etcd-user and a password "
                          "(--etcd-password-file or $DYNAMO_PD_ETCD_PASSWORD)")

@@ -437,8 +437,9 @@ class KVTransferAgent:
         """Read the blocks of `desc` that this side lacks into `local_block_ids`; returns bytes moved."""
         if desc.writable:
             raise ValueError(f"descriptor for {desc.request_id!r} is a push target; call push()")
-        return await self._transfer(desc, timeout_s, lambda: pull_plan(desc, self.memory, local_block_ids, skip_prefix_blocks),
-                                    reading=True)
+        return await self._transfer(
+            desc, timeout_s, lambda: pull_plan(desc, self.memory, local_block_ids, skip_prefix_blocks), reading=True
+        )
 
     async def push(self, desc: TransferDescriptor, local_block_ids: Sequence[int],
                    timeout_s: float | None = None, payload: bytes = b"") -> int:

@@ -209,7 +209,9 @@ class BlobPool:
 
     def __init__(self, num_blocks: int, block_bytes: int):
         if num_blocks < 1 or block_bytes < 2 or block_bytes % 2:
-            raise ValueError(f"a blob pool needs >= 1 block of an even number of bytes, got {num_blocks} x {block_bytes}")
+            raise ValueError(
+                f"a blob pool needs >= 1 block of an even number of bytes, got {num_blocks} x {block_bytes}"
+            )
         self.block_bytes = block_bytes
         self.tensor = torch.empty((1, 2, num_blocks, 1, 1, block_bytes // 2), dtype=torch.uint8)  # pages on first use
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -181,7 +181,9 @@ class SideChannelClient:
             sock.setsockopt(zmq.RCVHWM, 0)
             self._guard.client(sock, self._max_bytes)
             sock.connect(endpoint)
-            conn = self._connections[endpoint] = _Connection(sock, asyncio.get_running_loop().create_task(self._read(sock)))
+            conn = self._connections[endpoint] = _Connection(
+                sock, asyncio.get_running_loop().create_task(self._read(sock))
+            )
             idle = [e for e, c in self._connections.items() if c.calls == 0 and c is not conn]
             for old in idle[: max(0, len(self._connections) - MAX_IDLE)]:
                 self.forget(old)

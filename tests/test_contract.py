@@ -58,7 +58,9 @@ def test_valid_request_passes_and_round_trips_msgpack():
     )
     request.validate()
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineRequest) == request
-    out = EngineOutput(request_id="r", token_ids=[1], finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1))
+    out = EngineOutput(
+        request_id="r", token_ids=[1], finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1)
+    )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineOutput) == out
 
 

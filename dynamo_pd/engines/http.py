@@ -49,7 +49,8 @@ class HttpEngine(Engine):
 
         def load():
             model_dir = resolve_model(self.config.model)
-            return AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).max_position_embeddings
+            context = AutoConfig.from_pretrained(model_dir).max_position_embeddings
+            return AutoTokenizer.from_pretrained(model_dir), context
 
         self._tokenizer, context = await asyncio.to_thread(load)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0),

@@ -47,7 +47,12 @@ class GatewayConfig:
 def _number(minimum: float, inclusive: bool = True, integer: bool = False) -> Callable[[Any, str], None]:
     def check(value: Any, key: str) -> None:
         kind = int if integer else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kind) or value < minimum or (not inclusive and value == minimum):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, kind)
+            or value < minimum
+            or (not inclusive and value == minimum)
+        ):
             what = "an integer" if integer else "a number"
             raise ConfigError(f"{key} must be {what} {'>=' if inclusive else '>'} {minimum:g}, got {value!r}")
     return check
@@ -128,15 +133,22 @@ def load(path: str | None, args: argparse.Namespace, flag_defaults: dict[str, An
 
 def _build(health: dict, limits: dict, models: dict) -> GatewayConfig:
     def limit(table: dict, default: Limit = Limit()) -> Limit:  # an override's unset rate: the default's
-        return Limit(table.get("requests_per_s", default.requests_per_s), table.get("tokens_per_s", default.tokens_per_s))
+        return Limit(
+            table.get("requests_per_s", default.requests_per_s), table.get("tokens_per_s", default.tokens_per_s)
+        )
 
     per_key, per_model = limit(limits.get("per_key", {})), limit(limits.get("per_model", {}))
     return GatewayConfig(
-        limits=LimitsConfig(per_key=per_key, per_model=per_model,
-                            keys={k: limit(v, per_key) for k, v in limits.get("keys", {}).items()} or None,
-                            models={m: limit(v, per_model) for m, v in models.items() if v.keys() & _RATE.keys()} or None,
-                            burst_s=limits.get("burst_s", LimitsConfig.burst_s),
-                            max_queued=limits.get("max_queued", LimitsConfig.max_queued)),
+        limits=LimitsConfig(
+            per_key=per_key,
+            per_model=per_model,
+            keys={k: limit(v, per_key) for k, v in limits.get("keys", {}).items()} or None,
+            models={m: limit(v, per_model) for m, v in models.items() if v.keys() & _RATE.keys()} or None,
+            burst_s=limits.get("burst_s", LimitsConfig.burst_s),
+            max_queued=limits.get("max_queued", LimitsConfig.max_queued),
+        ),
         fallbacks={m: v["fallback"] for m, v in models.items() if "fallback" in v},
-        health=HealthConfig(health.get("interval_s", HealthConfig.interval_s),
-                            health.get("timeout_s", HealthConfig.timeout_s)))
+        health=HealthConfig(
+            health.get("interval_s", HealthConfig.interval_s), health.get("timeout_s", HealthConfig.timeout_s)
+        ),
+    )

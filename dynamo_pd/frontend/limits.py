@@ -78,7 +78,10 @@ class Limiter:
                   ("model", model, (cfg.models or {}).get(model, cfg.per_model)))
         charges = []
         for scope, name, limit in scopes:
-            for unit, rate, cost in (("requests", limit.requests_per_s, requests), ("tokens", limit.tokens_per_s, tokens)):
+            for unit, rate, cost in (
+                ("requests", limit.requests_per_s, requests),
+                ("tokens", limit.tokens_per_s, tokens),
+            ):
                 if rate > 0 and cost > 0:
                     bucket = self._buckets.get((scope, name, unit))
                     if bucket is None or (bucket.rate, bucket.burst_s) != (rate, cfg.burst_s):  # new, or reloaded

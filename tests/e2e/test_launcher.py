@@ -50,8 +50,10 @@ def test_a_kv_cache_fraction_of_free_memory_is_sized_when_the_worker_starts_and_
     for bad in ("0", "1.5"):
         done = serve("--kv-cache-memory-fraction", bad, timeout=60)
         assert done.returncode != 0 and "Traceback" not in done.stderr
-        assert done.stderr.strip().splitlines()[-1] == f"error: --kv-cache-memory-fraction must be in (0, 1], got {float(bad)}"
-
+        assert (
+            done.stderr.strip().splitlines()[-1]
+            == f"error: --kv-cache-memory-fraction must be in (0, 1], got {float(bad)}"
+        )
 
 
 def test_frontend_options_reach_the_frontend_only_and_bad_ones_stop_serve_at_once():
@@ -160,9 +162,13 @@ def test_pin_cores_gives_each_worker_its_own_share_of_the_cores(tmp_path):
         pytest.skip("needs 2 cores to give 2 workers a share each")
     port, log_path = free_port(), tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dynamo_pd.serve", "--aggregated", "2", "--pin-cores",
-                                 "--kv-cache-memory-gb", "0.05", "--port", str(port), "--discovery-port", str(free_port())],
-                                stdout=log, stderr=subprocess.STDOUT)
+        argv = ["--aggregated", "2", "--pin-cores", "--kv-cache-memory-gb", "0.05", "--port", str(port),
+                "--discovery-port", str(free_port())]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_pd.serve", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deployment = Deployment(url=f"http://127.0.0.1:{port}", logs=log_path)
     try:
         deployment.wait_for(lambda: b"dynamo-pd ready" in log_path.read_bytes() or proc.poll() is not None, 300,
@@ -172,7 +178,9 @@ def test_pin_cores_gives_each_worker_its_own_share_of_the_cores(tmp_path):
 
         def pinned(pid: int) -> tuple[str, str, list[int]]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+            env = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+            )
             return argv[2].decode(), env.get(b"OMP_NUM_THREADS", b"").decode(), sorted(os.sched_getaffinity(pid))
 
         seen = sorted(pinned(pid) for pid in children)

@@ -15,7 +15,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'dynamo-pd[llamacpp]')")
 
 # no health-check canaries: a canary would replace the prefix a llama.cpp context holds between the cases
-LLAMACPP = ["--engine", "llamacpp", "--max-model-len", "2048", "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]
+LLAMACPP = [
+    "--engine",
+    "llamacpp",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-memory-gb",
+    "0.25",
+    "--health-check-interval-s",
+    "0",
+]
 PROMPTS = [
     "List three colors:",
     "User: What is the capital of France?\n\nAssistant:",

@@ -201,7 +201,9 @@ def test_a_frontend_without_workers_answers_503_and_is_not_ready(tmp_path):
         assert status == 503 and b"no workers ready" in body
         status, body = deployment.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
         # the gateway serves the models its workers register: none yet
-        assert status == 404 and body["error"]["code"] == "model_not_found" and "none yet" in body["error"]["message"], body
+        assert (
+            status == 404 and body["error"]["code"] == "model_not_found" and "none yet" in body["error"]["message"]
+        ), body
     finally:
         assert deployment.stop() == {"frontend": 0}
 

@@ -163,7 +163,9 @@ FAILURES = [  # what the backend raised -> status, code
 ]
 
 
-@pytest.mark.parametrize("error, status, code", FAILURES, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None)
+@pytest.mark.parametrize(
+    "error, status, code", FAILURES, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None
+)
 async def test_a_backend_error_keeps_its_kind_and_names_no_internal_endpoint(tokenizer, error, status, code):
     got, answer = await post(Backend(tokenizer, error), "/v1/chat/completions", CHAT)
     assert got == status and answer["error"]["code"] == code, answer

@@ -69,9 +69,13 @@ async def _serve_async(conn, config: TransferConfig, layout: KVLayout, seed: int
             try:
                 if command == "hold":
                     rid, block_ids, num_tokens, kwargs = args
-                    desc = agent.hold(rid, block_ids, num_tokens,
-                                      lambda r, why, payload: (releases.append((r, why.value)), payloads.update({r: payload})),
-                                      **kwargs)
+                    desc = agent.hold(
+                        rid,
+                        block_ids,
+                        num_tokens,
+                        lambda r, why, payload: (releases.append((r, why.value)), payloads.update({r: payload})),
+                        **kwargs,
+                    )
                     result = msgspec.msgpack.encode(desc)
                 elif command == "pull":
                     desc = msgspec.msgpack.decode(args[0], type=TransferDescriptor)

@@ -35,7 +35,9 @@ def releases(peer, rid: str) -> list[str]:
 
 def decoder(peer, layout=None, **overrides) -> KVTransferAgent:
     layout = layout or make_layout("vllm", 16)
-    return KVTransferAgent("decode", KVMemory.allocate(layout), make_config(peer.kind, "decode", timeout_s=3.0, **overrides))
+    return KVTransferAgent(
+        "decode", KVMemory.allocate(layout), make_config(peer.kind, "decode", timeout_s=3.0, **overrides)
+    )
 
 
 @pytest.mark.parametrize("kind", PEER_KINDS)

@@ -40,7 +40,11 @@ def test_the_cost_is_the_documented_formula():
 def test_unreported_figures_are_the_fleet_median_else_the_prior():
     reported = [StepCosts(0.01, 0.1, 0.001, 8.0), StepCosts(0.03, None, None, 4.0), StepCosts()]
     fleet = TimePolicy.fleet_costs([candidate(costs=k, name=f"w{i}") for i, k in enumerate(reported)])
-    assert fleet == [StepCosts(0.01, 0.1, 0.001, 8.0), StepCosts(0.03, 0.1, 0.001, 4.0), StepCosts(0.02, 0.1, 0.001, 6.0)]
+    assert fleet == [
+        StepCosts(0.01, 0.1, 0.001, 8.0),
+        StepCosts(0.03, 0.1, 0.001, 4.0),
+        StepCosts(0.02, 0.1, 0.001, 6.0),
+    ]
     assert TimePolicy.fleet_costs([candidate(), candidate(name="w1")]) == [PRIOR, PRIOR]
 
 

@@ -5,9 +5,8 @@ import contextlib
 from functools import partial
 from urllib.parse import urlparse
 
-import pytest
+import nats
 
-nats = pytest.importorskip("nats")
 from dynamo_pd.runtime.events_nats import subscribe_live
 
 HOLD_S = 0.5
