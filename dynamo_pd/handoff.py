@@ -178,15 +178,19 @@ class HandoffManager:
         released: asyncio.Event | None = None
         pushing: asyncio.Task | None = None
         holding = tracing.NOOP
+        firsts: dict[int, int] = {}  # choice -> its first token (a push sends every choice's)
         try:
             async for out in outputs:
+                if out.token_ids:
+                    firsts.setdefault(out.index, out.token_ids[0])
                 handoff = out.handoff
                 if isinstance(handoff, HeldKV):
                     held = True
                     if isinstance(request.handoff, PushHandoff):
                         out.handoff = request.handoff
                         # while the token streams
-                        pushing = asyncio.create_task(self._push(handoff, out.token_ids[0], trace))
+                        tokens = [firsts[i] for i in sorted(firsts)]
+                        pushing = asyncio.create_task(self._push(handoff, tokens, trace))
                     else:
                         released, out.handoff = self._hold(handoff)
                         blocks = {"dynamo_pd.kv.blocks": len(handoff.block_ids)}
@@ -232,9 +236,9 @@ class HandoffManager:
         desc = self.agent.hold(held.request_id, held.block_ids, held.num_tokens, on_release)
         return released, PullHandoff(descriptor=desc, worker_id=self.worker_id)
 
-    async def _push(self, held: HeldKV, first_token_id: int, trace: Any = None) -> None:
-        """PREFILL, push: write the prompt's KV and the first token into the blocks the decode side
-        reserved for this request id; `serve` frees the engine's blocks once this has ended."""
+    async def _push(self, held: HeldKV, first_token_ids: list[int], trace: Any = None) -> None:
+        """PREFILL, push: write the prompt's KV and the first tokens (one per choice) into the blocks the decode
+        side reserved for this request id; `serve` frees the engine's blocks once this has ended."""
         rid = held.request_id
         span = tracing.start("kv_push", trace, {"dynamo_pd.kv.transport": self.agent.transport.name,
                                                 "dynamo_pd.kv.blocks": len(held.block_ids)})
@@ -243,7 +247,7 @@ class HandoffManager:
             span.add_event("reserved")  # the decode side's blocks are known: the write starts
             # The decode side times the transfer from this stamp; both ends share a host clock or NTP.
             nbytes = await self.agent.push(target, held.block_ids,
-                                           payload=_encoder.encode((first_token_id, time.time())))
+                                           payload=_encoder.encode((first_token_ids, time.time())))
             span.set_attribute("dynamo_pd.kv.bytes", nbytes)
         except Exception as exc:  # noqa: BLE001 - the decode side sees the failure (ERROR or its lease)
             log.warning("push of %s failed: %s", rid, exc)
@@ -262,9 +266,10 @@ class HandoffManager:
         }, start_ns=moved.ended_ns - int(seconds * 1e9))
         tracing.end(span, end_ns=moved.ended_ns)
 
-    async def load_kv(self, handoff: Handoff, local_block_ids: list[int], cached_blocks: int) -> int | None:
+    async def load_kv(self, handoff: Handoff, local_block_ids: list[int],
+                      cached_blocks: int) -> list[int] | None:
         """DECODE: the engine's kv_loader. Fills `local_block_ids` past the `cached_blocks` it has; returns
-        the first token when it came with the KV (push), else None."""
+        the first tokens (one per choice) when they came with the KV (push), else None."""
         if isinstance(handoff, PushHandoff):
             return await self._receive_push(handoff, local_block_ids, cached_blocks)
         if not isinstance(handoff, PullHandoff):
@@ -288,9 +293,10 @@ class HandoffManager:
         return await self.agent.pull_prefix(request.kv_prefix.endpoint, hold_id, hashes,
                                             local_block_ids[cached_blocks:], skip_blocks=cached_blocks)
 
-    async def _receive_push(self, handoff: PushHandoff, local_block_ids: list[int], cached_blocks: int) -> int:
+    async def _receive_push(self, handoff: PushHandoff, local_block_ids: list[int],
+                            cached_blocks: int) -> list[int]:
         """DECODE, push: reserve the blocks this worker lacks, tell the prefill worker where they are,
-        and wait until it has filled them; returns the first token it sent along."""
+        and wait until it has filled them; returns the first tokens it sent along (one per choice)."""
         rid, loop = handoff.request_id, asyncio.get_running_loop()
         ended: asyncio.Future = loop.create_future()
 
@@ -311,11 +317,11 @@ class HandoffManager:
                     await asyncio.wait_for(asyncio.shield(ended), self.times.drain_s)
         if reason is not ReleaseReason.DONE:
             raise TransferError(f"push of {rid!r} from {handoff.worker_id} ended: {reason.value}")
-        first_token_id, started = msgspec.msgpack.decode(payload)
+        first_token_ids, started = msgspec.msgpack.decode(payload)
         seconds = max(0.0, time.time() - started)
         stats = TransferStats(len(blocks) * self.agent.memory.layout.block_bytes, seconds)
         self._moved[rid] = _Moved(stats, len(blocks), "push", time.time_ns())
-        return first_token_id
+        return first_token_ids
 
 
 class _EnginePrefixes:

@@ -11,15 +11,21 @@ class Metrics:
     def __init__(self) -> None:
         self._prompt_total = self._cached_total = 0  # for the hit rate (counters expose no public read)
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("dynamo_pd_requests", "Finished HTTP generation requests", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "dynamo_pd_requests", "Finished HTTP generation requests", ["route", "status"], registry=r
+        )
         self.inflight = Gauge("dynamo_pd_inflight_requests", "Requests being served", registry=r)
         self.queued = Gauge("dynamo_pd_queued_requests", "Requests waiting for their first token", registry=r)
         self.ttft = Histogram("dynamo_pd_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("dynamo_pd_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("dynamo_pd_prompt_tokens", "Prompt tokens served", registry=r)
-        self.cached_tokens = Counter("dynamo_pd_cached_prompt_tokens", "Prompt tokens served from a KV cache", registry=r)
+        self.cached_tokens = Counter(
+            "dynamo_pd_cached_prompt_tokens", "Prompt tokens served from a KV cache", registry=r
+        )
         self.completion_tokens = Counter("dynamo_pd_completion_tokens", "Generated tokens", registry=r)
-        self.kv_hit_rate = Gauge("dynamo_pd_kv_hit_rate", "Cached prompt tokens / prompt tokens, since start", registry=r)
+        self.kv_hit_rate = Gauge(
+            "dynamo_pd_kv_hit_rate", "Cached prompt tokens / prompt tokens, since start", registry=r
+        )
         self.transfer_bytes = Counter("dynamo_pd_kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r)
         self.transfer_seconds = Histogram(
             "dynamo_pd_kv_transfer_seconds", "Time to move one request's KV", buckets=_LATENCY_BUCKETS, registry=r
@@ -40,12 +46,25 @@ class Metrics:
         self.rpc_connections = Gauge("dynamo_pd_rpc_connections", "Open request-plane connections to workers",
                                      registry=r)
         self.fallbacks = Counter(
-            "dynamo_pd_prefill_fallbacks", "Remote prefills or transfers that failed and fell back", ["reason"], registry=r
+            "dynamo_pd_prefill_fallbacks",
+            "Remote prefills or transfers that failed and fell back",
+            ["reason"],
+            registry=r,
         )
         for reason in ("prefill_failed", "transfer_failed"):  # rendered as 0 from the start: none is a count
             self.fallbacks.labels(reason)
-        self.migrations = Counter("dynamo_pd_migrations", "Requests moved to another worker after the client had "
-                                  "tokens, by the failure (worker_gone, stalled, draining, ...)", ["reason"], registry=r)
+        self.migrations = Counter(
+            "dynamo_pd_migrations",
+            "Requests moved to another worker after the client had "
+            "tokens, by the failure (worker_gone, stalled, draining, ...)",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_kv = Counter("dynamo_pd_migration_kv", "Migrated requests by where their context's KV came "
+                                    "from: moved (read from a peer: the drained worker, or one holding it), "
+                                    "local (the new worker's pool or tiers), recomputed", ["kv"], registry=r)
+        for kv in ("moved", "local", "recomputed"):
+            self.migration_kv.labels(kv)
         self.retries = Counter("dynamo_pd_retries", "Requests retried on another worker before their first token, "
                                "by the failure", ["reason"], registry=r)
         self.workers_refused = Counter("dynamo_pd_workers_refused", "Workers registered that the frontend cannot "

@@ -18,6 +18,10 @@ __all__ = ["InvalidRequestError", "LoadMetrics", "PromptTooLongError", "Role"]
 FinishReason = Literal["stop", "length", "abort", "error", "prefill_done"]
 
 
+GREEDY_BELOW = 1e-5  # temperatures below it sample greedily
+# OpenAI's bounds: n (and best_of) at most 128 choices, logit_bias at most 300 tokens.
+MAX_N, MAX_LOGIT_BIAS = 128, 300
+
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
@@ -42,6 +46,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives per sampled token; None disables
     guided: Guided | None = None  # constrained output; None: free text
+    n: int = 1  # choices sampled from the one prompt (one prefill; Engine.forks); seeded choice i uses seed + i
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling (Engine.logit_bias)
+    prompt_logprobs: int | None = None  # top alternatives per prompt token, on the first output; None disables
 
     def validate(self) -> None:
         def check(ok: bool, param: str, what: str) -> None:
@@ -55,10 +62,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+              "must be in [0, 20]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got "
+                                      f"{len(self.logit_bias)}", "logit_bias")
+        if not all(-100 <= b <= 100 for b in self.logit_bias.values()):  # NaN too
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # vLLM's rule (_SAMPLING_EPS): a temperature this small is greedy; dividing logits by it overflows
+        return self.temperature < GREEDY_BELOW
 
 
 # Every step checks each stop string and stop token of every running request: one request's lists
@@ -106,6 +122,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # tokens generated on a worker that failed (migration): computed with the prompt, then continued as
     # though sampled here (max_tokens, penalties, seeded draws, stop strings, the text already streamed)
     resume_token_ids: list[int] = []
+    fork_token_ids: list[int] = []  # decode role, n > 1: the first tokens of choices 1..n-1 (as first_token_id)
     kv_prefix: PeerPrefix | None = None  # the worker that prefills reads this prefix from a peer first
 
     def validate(self) -> None:
@@ -127,6 +144,12 @@ class EngineRequest(msgspec.Struct, kw_only=True):
             if self.first_token_id is not None and not 0 <= self.first_token_id < vocab_size:
                 raise InvalidRequestError(f"first_token_id {self.first_token_id} is outside the vocabulary",
                                           "first_token_id")
+            if any(not 0 <= t < vocab_size for t in self.fork_token_ids):
+                raise InvalidRequestError("a fork_token_ids entry is outside the vocabulary", "fork_token_ids")
+            bad = next((t for t in self.sampling.logit_bias if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                          "logit_bias")
         total = len(prompt) + self.stop.max_tokens
         if total > max_model_len:
             raise PromptTooLongError(f"prompt ({len(prompt)} tokens) plus max_tokens ({self.stop.max_tokens}) is "
@@ -147,7 +170,9 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class EngineOutput(msgspec.Struct, kw_only=True):
-    """One step's worth of a request's output: new tokens and text, final fields on the last one."""
+    """One step's worth of one choice's output: new tokens and text, its finish_reason on its last one. The
+    request ends with the output that finishes its last choice (`ends`), which carries the usage of all of
+    them; with n == 1, the output with a finish_reason."""
 
     request_id: str
     token_ids: list[int]
@@ -159,6 +184,15 @@ class EngineOutput(msgspec.Struct, kw_only=True):
     handoff: Handoff | None = None  # prefill role: how the prompt's KV reaches the decode side
     error: str | None = None
     transfer: TransferStats | None = None  # decode role, first output: the KV moved for this request
+    index: int = 0  # the choice (SamplingParams.n > 1)
+    choices_left: int = 0  # choices still generating after this output (n > 1)
+    # the request's first output, when SamplingParams.prompt_logprobs asks: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def ends(self) -> bool:
+        """The request's last output: it finishes a choice and none is left."""
+        return self.finish_reason is not None and not self.choices_left
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):

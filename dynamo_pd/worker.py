@@ -165,7 +165,8 @@ class Worker:
 
     async def drain(self) -> None:
         """Leave discovery (routers stop sending here), refuse new requests, let those in flight finish
-        for up to drain_timeout_s, then end the rest with WorkerDrainingError: the frontend moves them."""
+        for up to drain_timeout_s, then end the rest with WorkerDrainingError: the frontend moves them, and
+        their new workers may read the KV they computed here, which the worker lends until they have."""
         if self._registration is None or self._rpc is None:
             return
         self._draining = True  # /ready answers 503 from now: a load balancer stops sending too
@@ -175,6 +176,8 @@ class Worker:
         cut = await self._rpc.drain(self.config.drain_timeout_s)
         if cut:
             log.warning("worker %s: drain timeout ended %d requests; the frontend moves them", self.worker_id, cut)
+            lent = await self.handoff.lend_while_draining(cut)
+            log.info("worker %s: %d of them read their KV from here", self.worker_id, lent)
 
     async def stop(self) -> None:
         self._draining = True
@@ -234,6 +237,7 @@ class Worker:
         """Stream a request's outputs, its hand-off done by the manager (a PREFILL stream stays open
         until the decode side has the KV, so a caller that goes away frees the held blocks at once)."""
         request = _request_decoder.decode(payload)
+        self.engine.check_served(request)  # a field its engine does not apply is a 400 naming it
         trace = tracing.extract(context.metadata)  # None unless both the caller and this process trace it
         if trace is None:
             outputs = self.handoff.serve(request, self.engine.generate(request, context))

@@ -15,6 +15,17 @@ candidates also give the scores, `costs(candidates, request)` (the lowest wins),
       cost_w   = own + others
   The minimum wins (random tie-break). A figure a worker has not reported is the median of those
   the other candidates reported, else PRIOR.
+  Fetch or recompute: the prefix w has is not only its device overlap. Its engine copies the blocks its
+  lower tiers hold past it back before the prefill (always: so they count, each at its tier's measured
+  fixed cost and rate, router.load.FetchCosts), and it may read further blocks from the peer whose pool
+  holds the longest prefix (a pull: the fixed cost of the peer's hold round trip plus bytes over the rate
+  w measured pulling). So w has two plans, and the one with the lower cost stands for w:
+      local: covered = overlap_w + lower-tier blocks, fetch = onboard (copy-back) time
+      peer:  covered = the peer's overlap,            fetch = onboard + pull time
+  with uncached = prompt_tokens - covered * block_size, `own` adding the fetch time and `others` the
+  onboard time (copies back run on w's step thread; a pull does not). No threshold: a pull wins only
+  where it is predicted sooner than computing what it brings. FetchCosts a worker has not measured are
+  the fleet's median, else FETCH_PRIOR; a worker that reports no block size fetches nothing.
 - KvAwarePolicy: Dynamo's cost. For worker w,
       prefill_blocks = (prefill_tokens_w + prompt_tokens - overlap_w * block_size) / block_size
       decode_blocks  = blocks_w + request_blocks          (active blocks including this request)
@@ -35,12 +46,18 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from router.load import StepCosts, WorkerLoad
+from router.events import LOWER_TIERS, TIER_HOST
+from router.indexer import WorkerId
+from router.load import FetchCosts, StepCosts, WorkerLoad
 
 # Until some worker reports its figures: what the native engine's meter measured serving SmolLM2-135M
 # (float32, one thread) on this project's 2-core CPU host, the default deployment, rounded; the API's
 # default max_tokens (16) for the output.
 PRIOR = StepCosts(prefill_s_per_token=2e-3, decode_s=0.05, decode_s_per_block=1e-3, output_tokens=16)
+# Until some worker measured a fetch: what this project's 2-core host measured (benchmarks/transfer_bench.py:
+# ZMQ pulls at ~1.4 GB/s after ~3 ms; page-cached file reads and memcpy faster), rounded down.
+FETCH_PRIOR = FetchCosts(block_bytes=None, host_bytes_per_s=5e9, host_fixed_s=0.0, disk_bytes_per_s=1e9,
+                         disk_fixed_s=0.0, pull_bytes_per_s=1e9, pull_fixed_s=5e-3)
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,39 @@ class Candidate(NamedTuple):  # a NamedTuple: routing builds one per worker per 
     load: WorkerLoad
     cached_blocks: int  # blocks of this worker resident in the indexer
     costs: StepCosts = StepCosts()  # what its steps cost, as it last reported
+    lower_blocks: tuple[int, ...] = ()  # past the overlap: blocks its lower tiers hold in a row, per LOWER_TIERS
+    fetch: FetchCosts = FetchCosts()  # what its fetches cost, as it last reported
+    peer: WorkerId | None = None  # the peer whose pool holds the longest prefix (one it may pull from)
+    peer_blocks: int = 0  # that prefix's blocks
 
     @property
     def worker_id(self):
         return self.load.worker_id
+
+
+class FetchPlan(NamedTuple):
+    """Where the chosen worker's prefix comes from (what goes in the placement)."""
+
+    source: str  # "device": its pool; "tier": its lower tiers too (copied back); "peer": and a peer's pool
+    covered_blocks: int  # the prompt's leading blocks it has or fetches
+    fetch_s: float = 0.0  # predicted copy-back and pull time
+    onboard_s: float = 0.0  # the copy-back part (on its step thread)
+    peer: WorkerId | None = None
+
+
+def local_plan(c: Candidate, f: FetchCosts | None = None) -> FetchPlan:
+    """What the worker's engine does by itself: its overlap, then every lower-tier block copied back (timed
+    by `f` when given: the fleet-filled figures)."""
+    lower = sum(c.lower_blocks)
+    if not lower:
+        return FetchPlan("device", c.overlap_blocks)
+    onboard = 0.0
+    if f is not None and f.block_bytes:
+        rates = {TIER_HOST: (f.host_fixed_s, f.host_bytes_per_s)}
+        onboard = sum(fixed + n * f.block_bytes / rate for n, (fixed, rate) in
+                      ((n, rates.get(tier, (f.disk_fixed_s, f.disk_bytes_per_s)))
+                       for tier, n in zip(LOWER_TIERS, c.lower_blocks) if n))
+    return FetchPlan("tier", c.overlap_blocks + lower, onboard, onboard)
 
 
 class RoutingPolicy(Protocol):
@@ -120,22 +166,57 @@ class TimePolicy:
         return [StepCosts(*(f if x is None else x for x, f in zip(c.costs, fallback))) for c in candidates]
 
     @staticmethod
-    def cost(c: Candidate, k: StepCosts, request: RouteRequest) -> float:
+    def fleet_fetch(candidates: list[Candidate]) -> list[FetchCosts]:
+        """Each candidate's fetch figures, the unmeasured ones filled in (the candidates' median, else
+        FETCH_PRIOR); a worker that reports no block size keeps none (it fetches nothing)."""
+        fields = zip(*(c.fetch for c in candidates))
+        fallback = [statistics.median(known) if (known := [x for x in values if x is not None]) else prior
+                    for values, prior in zip(fields, FETCH_PRIOR)]
+        return [FetchCosts(*(f if x is None else x for x, f in zip(c.fetch, fallback)))
+                if c.fetch.block_bytes else FetchCosts() for c in candidates]
+
+    @staticmethod
+    def plans(c: Candidate, f: FetchCosts, request: RouteRequest) -> list[FetchPlan]:
+        """The prefix sources `c` has: its own (pool and tiers), and a peer's pool when that holds more."""
+        local = local_plan(c, f)
+        if not request.prefill or not f.block_bytes or c.peer is None:
+            return [local]
+        peer_blocks = min(c.peer_blocks, (request.prompt_tokens - 1) // request.block_size)  # >= 1 computed
+        if peer_blocks <= local.covered_blocks:
+            return [local]
+        pull_s = f.pull_fixed_s + (peer_blocks - local.covered_blocks) * f.block_bytes / f.pull_bytes_per_s
+        return [local, FetchPlan("peer", peer_blocks, local.fetch_s + pull_s, local.onboard_s, c.peer)]
+
+    @staticmethod
+    def cost(c: Candidate, k: StepCosts, request: RouteRequest, plan: FetchPlan | None = None) -> float:
+        """Predicted seconds of the request on `c`, its prefix from `plan` (None: the overlap alone)."""
         load, blocks = c.load, request.request_blocks
-        uncached = max(0, request.prompt_tokens - c.overlap_blocks * request.block_size) if request.prefill else 0
-        own = (k.prefill_s_per_token * (load.prefill_tokens + uncached)
+        covered, fetch_s, onboard_s = (c.overlap_blocks, 0.0, 0.0) if plan is None else plan[1:4]
+        uncached = max(0, request.prompt_tokens - covered * request.block_size) if request.prefill else 0
+        own = (k.prefill_s_per_token * (load.prefill_tokens + uncached) + fetch_s
                + k.output_tokens * (k.decode_s + k.decode_s_per_block * (load.blocks + blocks)))
-        others = load.requests * (k.prefill_s_per_token * uncached + k.output_tokens * k.decode_s_per_block * blocks)
+        others = load.requests * (k.prefill_s_per_token * uncached + onboard_s
+                                  + k.output_tokens * k.decode_s_per_block * blocks)
         return own + others
 
+    def scored(self, candidates: list[Candidate], request: RouteRequest) -> list[tuple[float, FetchPlan]]:
+        """Each candidate's least predicted seconds and the prefix source that gives them."""
+        return [min(((self.cost(c, k, request, plan), plan) for plan in self.plans(c, f, request)),
+                    key=lambda scored: scored[0])
+                for c, k, f in zip(candidates, self.fleet_costs(candidates), self.fleet_fetch(candidates))]
+
+    def choose_plan(self, candidates: list[Candidate], request: RouteRequest) -> tuple[Candidate, FetchPlan]:
+        """The candidate with the least predicted seconds, and its prefix source."""
+        scored = self.scored(candidates, request)
+        best = min(cost for cost, _ in scored)
+        return self._rng.choice([(c, plan) for c, (cost, plan) in zip(candidates, scored) if cost == best])
+
     def costs(self, candidates: list[Candidate], request: RouteRequest) -> list[float]:
-        """Each candidate's predicted seconds."""
-        return [self.cost(c, k, request) for c, k in zip(candidates, self.fleet_costs(candidates))]
+        """Each candidate's predicted seconds (from its best prefix source)."""
+        return [cost for cost, _ in self.scored(candidates, request)]
 
     def choose(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
-        costs = self.costs(candidates, request)
-        best = min(costs)
-        return self._rng.choice([c for c, x in zip(candidates, costs) if x == best])
+        return self.choose_plan(candidates, request)[0]
 
 
 class RoundRobinPolicy:

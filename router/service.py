@@ -19,12 +19,17 @@ AGGREGATED when there is no decode worker; else DECODE, and PREFILL unless the d
 the uncached prompt itself (at most `local_prefill_tokens`) or no prefill worker can take it.
 `route` / `mark_prefill_done` / `mark_finished` are the one-pool steps beneath (tests, benchmarks):
 a request id holds one placement per pool; mark_* apply to all of them unless a pool is named.
+Where the prompt's prefix comes from is the route's too (RouteDecision.source): the chosen worker's pool, its
+lower tiers (copied back), or a peer's pool it reads from (the time policy's fetch-or-recompute plans,
+router/policies.py; peers are the workers added with lends_prefixes). `consider_peer` weighs a peer the
+indexer no longer knows (a draining worker, for the requests it hands to migration).
 A worker is busy when its active blocks reach `busy_kv_fraction` of its capacity or its pending prefill
 tokens reach `busy_prefill_tokens`; busy workers are skipped, and when all are, route raises Overloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -41,10 +46,12 @@ from router.policies import (
     KvAwarePolicy,
     LeastLoadedPolicy,
     RandomPolicy,
+    FetchPlan,
     RoundRobinPolicy,
     RouteRequest,
     RoutingPolicy,
     TimePolicy,
+    local_plan,
 )
 from router.replica_sync import ReplicaSync
 from router.worker import LoadMetrics, Role
@@ -111,9 +118,12 @@ class RouteDecision:
     worker_id: WorkerId
     pool: Role
     overlap_blocks: int  # leading prompt blocks already cached on the chosen worker
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens it does not compute: cached, copied back from its tiers or read
     prompt_tokens: int
     candidates: tuple[Scored, ...] = ()  # explain=True: every worker not busy that it chose among
+    source: str = "device"  # where the prefix comes from: "device", "tier" (copied back) or "peer" (read)
+    peer: WorkerId | None = None  # source "peer": the worker whose pool it is read from
+    peer_blocks: int = 0  # and how many leading blocks it reads (less what the worker has)
 
 
 class Placement:
@@ -164,14 +174,16 @@ class KvRouter:
         self.ingestor = EventIngestor(self.indexer, config.block_size or 1)  # its block size: set with ours
         self.load = LoadTracker()
         self._pool_of: dict[WorkerId, Role] = {}
+        self._lends: set[WorkerId] = set()  # workers that lend their cached prefixes to peers and read theirs
         self._sync: ReplicaSync | None = None
         self.breaker = CircuitBreaker()
 
     # -- workers -----------------------------------------------------------------------------------
     def add_worker(self, worker_id: WorkerId, pool: Role | str, capacity_blocks: int,
-                   block_size: int | None = None) -> None:
+                   block_size: int | None = None, lends_prefixes: bool = False) -> None:
         """Raises LayoutMismatch for a worker whose block size is not the others' (its KV events and
-        prompts would hash to other blocks)."""
+        prompts would hash to other blocks). `lends_prefixes`: peers may read its cached prefixes, and it
+        theirs (WorkerInfo.kv_peer_prefixes)."""
         try:
             role = Role(pool)
         except ValueError:
@@ -184,10 +196,13 @@ class KvRouter:
             self.block_size = self.ingestor.block_size = block_size
         self.load.add_worker(worker_id, capacity_blocks)
         self._pool_of[worker_id] = role
+        if lends_prefixes:
+            self._lends.add(worker_id)
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """The worker left (lease expired, died): forget its blocks and load."""
         self._pool_of.pop(worker_id, None)
+        self._lends.discard(worker_id)
         self.breaker.forget(worker_id)
         self.load.remove_worker(worker_id)
         self.ingestor.remove_worker(worker_id)
@@ -265,18 +280,14 @@ class KvRouter:
         workers = [w for w in workers if not self.breaker.is_open(w)] or workers
         block_size = self.block_size
         uses_overlap = pool is not Role.DECODE or local_prefill
+        if uses_overlap and hashes is None:
+            hashes = block_hashes(token_ids, block_size, salt)
         # one dict of every matched worker: cheaper than asking the Overlaps about each pool worker
-        matches = (
-            self.indexer.find_matches(
-                block_hashes(token_ids, block_size, salt) if hashes is None else hashes).to_dict()
-            if uses_overlap
-            else {}
-        )
+        matches = self.indexer.find_matches(hashes).to_dict() if uses_overlap else {}
         request = RouteRequest(len(token_ids), block_size, prefill=uses_overlap)
-        candidates = [
-            Candidate(matches.get(w, 0), self.load.load(w), self.indexer.blocks_of(w), self.load.costs(w))
-            for w in workers
-        ]
+        # the two lenders whose pools hold the longest prefix: a candidate's peer is the first but itself
+        peers = sorted(((n, w) for w, n in matches.items() if w in self._lends), key=lambda p: p[0])[-2:][::-1]
+        candidates = [self._candidate(w, matches, hashes if uses_overlap else None, peers) for w in workers]
         free = [c for c in candidates if not self._busy(c)]
         if not free:
             raise Overloaded(
@@ -284,13 +295,54 @@ class KvRouter:
                 f"{self.config.busy_kv_fraction:.0%} or pending prefill >= "
                 f"{self.config.busy_prefill_tokens or 'unlimited'} tokens)"
             )
-        chosen = self.policy.choose(free, request)
-        overlap = chosen.overlap_blocks
-        prefill_tokens = max(0, len(token_ids) - overlap * request.block_size) if uses_overlap else 0
+        chosen, plan = self._choose(free, request)
+        overlap, covered = chosen.overlap_blocks, plan.covered_blocks
+        prefill_tokens = max(0, len(token_ids) - covered * request.block_size) if uses_overlap else 0
         self._place(LoadKey(request_id, pool), chosen.worker_id, prefill_tokens, request.request_blocks)
+        fetched = dict(source=plan.source, peer=plan.peer, peer_blocks=covered if plan.peer is not None else 0)
         weighed = self._explain(free, request) if explain else ()
-        return RouteDecision(chosen.worker_id, pool, overlap, overlap * request.block_size, len(token_ids),
-                             weighed)
+        return RouteDecision(chosen.worker_id, pool, overlap, covered * request.block_size, len(token_ids),
+                             weighed, **fetched)
+
+    def _candidate(self, w: WorkerId, matches: dict[WorkerId, int], hashes: Sequence[int] | None,
+                   peers: list[tuple[int, WorkerId]]) -> Candidate:
+        """`w` as a policy weighs it; with the prompt's `hashes` (it computes the prompt), also what its tiers
+        hold past its overlap, its fetch costs and the lender it may read a longer prefix from."""
+        overlap = matches.get(w, 0)
+        c = Candidate(overlap, self.load.load(w), self.indexer.blocks_of(w), self.load.costs(w))
+        if hashes is None:
+            return c
+        peer, depth = next(((p, n) for n, p in peers if p != w), (None, 0)) if w in self._lends else (None, 0)
+        return c._replace(lower_blocks=self.indexer.lower_run(w, hashes, overlap), fetch=self.load.fetch_costs(w),
+                          peer=peer, peer_blocks=depth)
+
+    def _choose(self, candidates: list[Candidate], request: RouteRequest) -> tuple[Candidate, FetchPlan]:
+        if isinstance(self.policy, TimePolicy):
+            return self.policy.choose_plan(candidates, request)
+        chosen = self.policy.choose(candidates, request)
+        return chosen, local_plan(chosen)  # its engine copies its tier blocks back; only `time` weighs peers
+
+    def consider_peer(self, decision: RouteDecision, token_ids: Sequence[int], salt: str | None, peer: WorkerId,
+                      peer_blocks: int) -> RouteDecision:
+        """`peer` (which the indexer may no longer know: a draining worker) holds the prompt's first
+        `peer_blocks` blocks: the decision's worker reads them from it if that is predicted sooner than where
+        its prefix comes from now (with a policy other than `time`: whenever it holds more)."""
+        w = decision.worker_id
+        if w not in self._pool_of or w not in self._lends or peer_blocks <= decision.cached_tokens // self.block_size:
+            return decision
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        c = self._candidate(w, {w: decision.overlap_blocks}, hashes, [(peer_blocks, peer)])
+        request = RouteRequest(len(token_ids), self.block_size)
+        if isinstance(self.policy, TimePolicy):
+            k, f = TimePolicy.fleet_costs([c])[0], TimePolicy.fleet_fetch([c])[0]
+            plan = min(TimePolicy.plans(c, f, request), key=lambda plan: TimePolicy.cost(c, k, request, plan))
+        else:
+            whole = (len(token_ids) - 1) // self.block_size
+            plan = FetchPlan("peer", min(peer_blocks, whole), peer=peer)
+        if plan.peer is None:
+            return decision
+        return dataclasses.replace(decision, cached_tokens=plan.covered_blocks * self.block_size, source="peer",
+                                   peer=peer, peer_blocks=plan.covered_blocks)
 
     def mark_prefill_done(self, request_id: str, pool: Role | str | None = None) -> None:
         for key in self._keys(request_id, pool):

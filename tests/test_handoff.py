@@ -56,7 +56,9 @@ async def pair():
     prefill = HandoffManager("prefill-0", times, "zmq", offer_push=True)
     decode = HandoffManager("decode-0", times, "zmq")
     engines = KVEngine(1.0), KVEngine(0.0)
-    engines[0].kv_cache[:, :, 5:8] = torch.arange(2 * 2 * 3 * BLOCK * 4, dtype=torch.float32).reshape(2, 2, 3, BLOCK, 1, 4)
+    engines[0].kv_cache[:, :, 5:8] = torch.arange(2 * 2 * 3 * BLOCK * 4, dtype=torch.float32).reshape(
+        2, 2, 3, BLOCK, 1, 4
+    )
     for manager, engine in zip((prefill, decode), engines):
         await manager.start(engine, "m")
     yield prefill, decode, *engines
@@ -75,7 +77,10 @@ def test_the_kinds_cross_the_wire_typed():
                        transfer=TransferStats(64, 0.5))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineOutput) == out
     assert not PullHandoff.first_token_from_decode and not sent.first_token_from_decode
-    assert EngineHandoff().first_token_from_decode and not EngineHandoff(first_token_from_decode=False).first_token_from_decode
+    assert (
+        EngineHandoff().first_token_from_decode
+        and not EngineHandoff(first_token_from_decode=False).first_token_from_decode
+    )
 
 
 def test_times_come_from_the_lease_and_the_transfer_timeout():
@@ -135,7 +140,7 @@ async def test_push_the_prefill_writes_into_the_blocks_the_decode_side_reserved(
     outs = [o async for o in prefill.serve(EngineRequest(request_id="r3", prompt_token_ids=PROMPT, handoff=handoff),
                                            outputs(held))]
     assert [o.handoff for o in outs] == [handoff]  # the frontend sees the hand-off it sent
-    assert await asyncio.wait_for(loading, 5) == 42  # the first token came with the KV
+    assert await asyncio.wait_for(loading, 5) == [42]  # the first token (one per choice) came with the KV
     assert torch.equal(decode_engine.kv_cache[:, :, 9:12], prefill_engine.kv_cache[:, :, 5:8])
     assert prefill_engine.released == ["r3"] and decode.agent.holding() == []
 

@@ -57,9 +57,10 @@ class EngineConfig:
 
 
 # DECODE role: fill `local_block_ids` with the KV the handoff describes, skipping the first
-# `cached_blocks` blocks the decode engine already holds; raise on failure. Returns the first token
-# when it arrived with the KV (push hand-off), else None (the request's first_token_id holds it).
-KVLoader = Callable[[Handoff, list[int], int], Awaitable[int | None]]
+# `cached_blocks` blocks the decode engine already holds; raise on failure. Returns the first tokens (one per
+# choice) when they arrived with the KV (push hand-off), else None (the request's first_token_id and
+# fork_token_ids hold them).
+KVLoader = Callable[[Handoff, list[int], int], Awaitable[list[int] | None]]
 
 
 class Engine(abc.ABC):
@@ -74,13 +75,18 @@ class Engine(abc.ABC):
     # EngineRequest.resume_token_ids, so a request migrates to it from a failed worker. project_hashes: the
     # events drain_kv_events() returns name blocks by router.hashing's hashes (the router need not re-hash).
     # guided_kinds: the structured outputs (protocol.Guided kinds) it enforces; any other is a 400 naming
-    # the request field that asked for it (check_guided).
+    # the request field that asked for it (check_guided). forks: it serves SamplingParams.n > 1 (one prefill,
+    # n choices; the worker's hand-off carries them), logit_bias and prompt_logprobs: it applies them; a request
+    # asking one it lacks is a 400 naming that field (check_served).
     kv_handoffs: tuple[str, ...] = ()
     peer_prefixes: bool = False  # lends cached prefixes to peers and reads theirs (native, mocker: driver.py)
     publishes_kv_events: bool = False
     project_hashes: bool = False
     resumes: bool = False
     guided_kinds: frozenset[str] = frozenset()
+    forks: bool = False
+    logit_bias: bool = False
+    prompt_logprobs: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -100,6 +106,16 @@ class Engine(abc.ABC):
             served = ", ".join(sorted(self.guided_kinds)) or "none"
             raise InvalidRequestError(f"{guided.param}: this model's engine ({type(self).__name__}) does not "
                                       f"enforce {guided.kind} output (it enforces: {served})", guided.param)
+
+    def check_served(self, request: EngineRequest) -> None:
+        """Raise InvalidRequestError naming the first field of the request's sampling that this engine does
+        not apply (structured output included): the worker checks every request before the engine sees it."""
+        self.check_guided(request)
+        s, name = request.sampling, type(self).__name__
+        for asked, served, param in ((s.n > 1, self.forks, "n"), (bool(s.logit_bias), self.logit_bias, "logit_bias"),
+                                     (s.prompt_logprobs is not None, self.prompt_logprobs, "prompt_logprobs")):
+            if asked and not served:
+                raise InvalidRequestError(f"{param}: this model's engine ({name}) does not serve it", param)
 
     async def release_handoff(self, request_id: str) -> None:
         """PREFILL: free the blocks held for `request_id` (decode pulled them, or gave up)."""

@@ -86,6 +86,7 @@ class _Vocab:
 class LlamaCppEngine(Engine):
     kv_handoffs = ("pull", "push")  # of sequence states staged in `kv_cache` (a BlobPool)
     guided_kinds = KINDS  # the native sampler's grammars (native/grammar.py) over the GGUF's vocabulary
+    logit_bias = True  # the native sampler's too
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None = None):
         if config.role is EngineRole.DECODE and kv_loader is None:
@@ -113,10 +114,18 @@ class LlamaCppEngine(Engine):
         # python's own default is half the host's cores for decode and all of them for prompts, whatever runs beside
         share = os.environ.get("OMP_NUM_THREADS", "")
         threads = int(cfg.extra.get("num_threads") or 0) or (int(share) if share.isdigit() else 0) or None
-        llm = Llama(model_path=str(gguf_path(cfg.model)), n_ctx=cfg.max_model_len or 0, n_batch=cfg.max_num_batched_tokens,
-                    n_threads=threads, n_threads_batch=threads, seed=cfg.seed, verbose=False)
-        if cfg.max_model_len and cfg.max_model_len > C.llama_model_n_ctx_train(llm.model):
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context ({C.llama_model_n_ctx_train(llm.model)} tokens)")
+        llm = Llama(
+            model_path=str(gguf_path(cfg.model)),
+            n_ctx=cfg.max_model_len or 0,
+            n_batch=cfg.max_num_batched_tokens,
+            n_threads=threads,
+            n_threads_batch=threads,
+            seed=cfg.seed,
+            verbose=False,
+        )
+        trained = C.llama_model_n_ctx_train(llm.model)
+        if cfg.max_model_len and cfg.max_model_len > trained:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context ({trained} tokens)")
         self._llm = llm
         vocab = C.llama_model_get_vocab(llm.model)
         self._eog = frozenset(t for t in range(llm.n_vocab()) if C.llama_vocab_is_eog(vocab, t))
@@ -184,7 +193,7 @@ class LlamaCppEngine(Engine):
         if guided is not None:  # compiled before its turn, off the llama.cpp thread
             compiled = await asyncio.to_thread(self.grammars.compile, guided)
             seq.grammar = self.grammars.matcher(guided, compiled)
-        loaded: tuple[list[int], int | None] | None = None
+        loaded: tuple[list[int], list[int] | None] | None = None
         try:
             if self.role is EngineRole.DECODE and request.handoff is not None:
                 loaded = await self._load_state(request)  # before its turn: the transfer needs no context
@@ -218,7 +227,7 @@ class LlamaCppEngine(Engine):
             if loaded is not None:
                 self.pool.free(loaded[0])
 
-    async def _load_state(self, request: EngineRequest) -> tuple[list[int], int | None]:
+    async def _load_state(self, request: EngineRequest) -> tuple[list[int], list[int] | None]:
         handoff = request.handoff
         if handoff.num_tokens != len(request.prompt_token_ids):
             raise InvalidRequestError(f"the hand-off holds {handoff.num_tokens} tokens of state, the prompt has "
@@ -234,12 +243,12 @@ class LlamaCppEngine(Engine):
 
     # ---- on the llama.cpp thread
 
-    def _first(self, seq: Sequence, loaded: tuple[list[int], int | None] | None) -> EngineOutput:
+    def _first(self, seq: Sequence, loaded: tuple[list[int], list[int] | None] | None) -> EngineOutput:
         """Evaluate the prompt (or import its state) and emit the first token."""
         llm, prompt = self._llm, seq.request.prompt_token_ids
         if loaded is not None:
             self._import(self.pool.read(loaded[0]), prompt)
-            token = seq.request.first_token_id if loaded[1] is None else loaded[1]
+            token = seq.request.first_token_id if loaded[1] is None else loaded[1][0]
             if token is None:
                 raise ValueError("the hand-off gave no first token")
             skip_draw(seq)

@@ -11,6 +11,8 @@ carries every token, the first one included (`first_token_from_decode`).
 KV events are SGLang's own ZMQ publisher (kv_events_config, with its replay socket): batches
 [ts, events, dp_rank] of map-tagged BlockStored / BlockRemoved / AllBlocksCleared, which router.events
 reads as it reads vLLM's; page_size is the block size, so each BlockStored is one router block.
+Traced (dynamo_pd.tracing), SGLang exports its own request spans to the same collector, under the
+worker's span (`external_trace_header`), unless `extra` sets enable_trace itself.
 Every other key of `EngineConfig.extra` goes to ServerArgs untouched.
 """
 
@@ -20,15 +22,17 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import sglang
 from sglang.srt.server_args import ServerArgs
 
+from dynamo_pd import tracing
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
-from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.guided import JSON_OBJECT, KINDS, choice_ebnf
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
@@ -44,6 +48,7 @@ TRANSFER_BACKENDS = {
 class SglangEngine(Engine):
     publishes_kv_events = True  # SGLang's own ZMQ publisher; KV moves through its transfer backend
     guided_kinds = KINDS  # in its sampling params (guided_sampling below), on its xgrammar backend
+    logit_bias = True  # its SamplingParams.logit_bias
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -89,11 +94,18 @@ class SglangEngine(Engine):
             kwargs.update(disaggregation_mode=cfg.role.value, disaggregation_transfer_backend=backend)
             if cfg.role is EngineRole.PREFILL:
                 # the default (8998) would collide with a second prefill worker on this host
-                kwargs["disaggregation_bootstrap_port"] = extra.pop("disaggregation_bootstrap_port", None) or free_port()
+                kwargs["disaggregation_bootstrap_port"] = (
+                    extra.pop("disaggregation_bootstrap_port", None) or free_port()
+                )
+        if tracing.enabled():
+            kwargs.update(enable_trace=True, otlp_traces_endpoint=tracing.config().traces_url,
+                          otlp_service_name=f"sglang-{cfg.role.value}")
         kwargs.update(extra)
         return ServerArgs(**kwargs)
 
     async def start(self) -> None:
+        if self.server_args.enable_trace:  # SGLang's exporter speaks gRPC unless told otherwise; ours is HTTP
+            os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         # Built on the event loop's thread: its tokenizer manager serves requests on this loop.
         self._engine = sglang.Engine(server_args=self.server_args)
 
@@ -129,6 +141,7 @@ class SglangEngine(Engine):
             stop_token_ids=list(stop.stop_token_ids) or None,
             ignore_eos=stop.ignore_eos,
             sampling_seed=s.seed,
+            logit_bias={str(token): bias for token, bias in s.logit_bias.items()} or None,  # its keys: strings
             **guided_sampling(s.guided),
         )
         args: dict[str, Any] = dict(input_ids=list(request.prompt_token_ids), sampling_params=sampling, stream=True,
@@ -143,7 +156,10 @@ class SglangEngine(Engine):
         assert self._engine is not None, "start() the engine first"
         request.validate()
         rid = request.request_id
-        stream = await self._engine.async_generate(**self.generate_args(request))
+        args = self.generate_args(request)
+        if context.metadata:  # the worker's span, when traced
+            args["external_trace_header"] = context.metadata
+        stream = await self._engine.async_generate(**args)
         reader = StreamReader(request, self.role)
         try:
             async with contextlib.aclosing(context.until_cancelled(stream)) as outs:

@@ -28,8 +28,8 @@ from tensorrt_llm.llmapi import (
 )
 
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole
-from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.guided import KINDS, choice_ebnf
+from dynamo_pd.handoff_kinds import EngineHandoff
 from dynamo_pd.model_store import resolve_model
 from dynamo_pd.protocol import EngineOutput, EngineRequest, Guided, TokenLogprob, Usage
 from dynamo_pd.runtime import RequestContext
@@ -61,7 +61,9 @@ class TrtllmEngine(Engine):
         args: dict[str, Any] = dict(
             model=str(resolve_model(cfg.model)),
             backend="pytorch",
-            dtype="auto" if cfg.dtype == "float32" else cfg.dtype,  # float32 is the CPU default here; the GPU runs the model's
+            dtype="auto"
+            if cfg.dtype == "float32"
+            else cfg.dtype,  # float32 is the CPU default here; the GPU runs the model's
             max_batch_size=cfg.max_num_seqs,
             max_num_tokens=cfg.max_num_batched_tokens,
             max_seq_len=cfg.max_model_len,
@@ -74,7 +76,9 @@ class TrtllmEngine(Engine):
                 raise ValueError(f"--cache-transceiver-backend must be NIXL or UCX, got {backend!r}")
             # a context's KV waits this long for its generation side, then TensorRT-LLM frees it
             timeout_ms = int(cfg.handoff.engine_lease_s * 1000)
-            args["cache_transceiver_config"] = CacheTransceiverConfig(backend=backend, kv_transfer_timeout_ms=timeout_ms)
+            args["cache_transceiver_config"] = CacheTransceiverConfig(
+                backend=backend, kv_transfer_timeout_ms=timeout_ms
+            )
         args.update(extra)
         return args
 
@@ -100,9 +104,16 @@ class TrtllmEngine(Engine):
         # greedy is top_k 1 in TensorRT-LLM (its temperature must be > 0)
         sampling = dict(top_k=1) if s.greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
         return SamplingParams(
-            max_tokens=stop.max_tokens, **sampling, seed=s.seed, repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, logprobs=s.logprobs, stop=list(stop.stop) or None,
-            stop_token_ids=list(stop.stop_token_ids) or None, ignore_eos=stop.ignore_eos,
+            max_tokens=stop.max_tokens,
+            **sampling,
+            seed=s.seed,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            logprobs=s.logprobs,
+            stop=list(stop.stop) or None,
+            stop_token_ids=list(stop.stop_token_ids) or None,
+            ignore_eos=stop.ignore_eos,
             guided_decoding=guided_decoding(s.guided),
         )
 

@@ -7,7 +7,8 @@ a PREFILL request asks for do_remote_decode and returns the kv_transfer_params v
 an `EngineHandoff`'s params, and a DECODE request passes them in again; vLLM then pulls the blocks
 itself and samples the first token again from the pulled KV. The NIXL side channel listens on
 VLLM_NIXL_SIDE_CHANNEL_HOST (default here 127.0.0.1) and _PORT (default here a free port below the
-ephemeral range).
+ephemeral range). Traced (dynamo_pd.tracing), vLLM exports its own request spans to the same collector,
+under the worker's span (`trace_headers`), unless `extra` names its own otlp_traces_endpoint.
 Every other key of `EngineConfig.extra` goes to AsyncEngineArgs untouched.
 """
 
@@ -30,6 +31,7 @@ from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from dynamo_pd import tracing
 from dynamo_pd.engines.base import Engine, EngineConfig, EngineRole, EngineUnavailableError
 from dynamo_pd.guided import KINDS
 from dynamo_pd.model_store import resolve_model
@@ -42,10 +44,13 @@ from kv_transfer.nixl_transport import INSTALL_HINT as NIXL_INSTALL_HINT
 class VllmEngine(Engine):
     publishes_kv_events = True  # vLLM's own ZMQ publisher; KV moves through its KV connector (EngineHandoff)
     guided_kinds = KINDS  # as its StructuredOutputsParams (structured_outputs below)
+    logit_bias = prompt_logprobs = True  # its SamplingParams' own
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.role = config.role
+        # n > 1 is its SamplingParams.n; across its KV connector each of the n would be handed off apart
+        self.forks = config.role is EngineRole.AGGREGATED
         self._llm: AsyncLLM | None = None
         self._rpc_dir: str | None = None
 
@@ -75,6 +80,8 @@ class VllmEngine(Engine):
         if not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & extra.keys():
             # Else vLLM sizes its cache from 92% of the memory, which on CPU is the host's: no second worker fits.
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_gb * 2**30)
+        if tracing.enabled():
+            kwargs["otlp_traces_endpoint"] = tracing.config().traces_url
         kwargs.update(extra)
         return AsyncEngineArgs(**kwargs)
 
@@ -84,6 +91,8 @@ class VllmEngine(Engine):
             # (OMP_NUM_THREADS, affinity) the launcher gave this worker: workers sharing a host pin onto the same
             # cores and stall each other's OpenMP barriers. "nobind" keeps the share; a user's own value stays.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # read by the engine process vLLM spawns
+        if tracing.enabled():  # vLLM's exporter speaks gRPC unless told otherwise; ours is OTLP/HTTP
+            os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         own_rpc_dir = "VLLM_RPC_BASE_PATH" not in os.environ  # a user's folder stays theirs
         if own_rpc_dir:
             # vLLM names the ipc sockets between this process and its engine process by uuid in this folder
@@ -133,6 +142,9 @@ class VllmEngine(Engine):
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             logprobs=s.logprobs,
+            n=s.n,
+            logit_bias=dict(s.logit_bias) or None,
+            prompt_logprobs=s.prompt_logprobs,
             max_tokens=max_tokens,
             stop=list(stop.stop) or None,
             stop_token_ids=list(stop.stop_token_ids) or None,
@@ -145,10 +157,11 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         assert self._llm is not None, "start() the engine first"
         request.validate()
-        stream = self._llm.generate(
-            {"prompt_token_ids": request.prompt_token_ids}, self._sampling_params(request), request.request_id
-        )
-        completion_tokens = 0
+        prompt = {"prompt_token_ids": request.prompt_token_ids}
+        stream = self._llm.generate(prompt, self._sampling_params(request), request.request_id,
+                                    trace_headers=context.metadata or None)  # the worker's span, when traced
+        completion_tokens, left = 0, request.sampling.n  # choices not finished
+        prompt_scores = request.sampling.prompt_logprobs is not None
         try:
             # cancelling a waiting step makes vLLM abort the request
             async with contextlib.aclosing(context.until_cancelled(stream)) as outs:
@@ -156,29 +169,35 @@ class VllmEngine(Engine):
                     if out is None:
                         yield EngineOutput(request_id=request.request_id, token_ids=[], finish_reason="abort")
                         return
-                    completion = out.outputs[0]
-                    completion_tokens += len(completion.token_ids)
-                    final = out.finished
-                    # vLLM's connector holds the KV for a decode side exactly when it returns its params
-                    held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
-                    handoff = EngineHandoff(params=out.kv_transfer_params) if held else None
-                    yield EngineOutput(
-                        request_id=request.request_id,
-                        token_ids=list(completion.token_ids),
-                        text=completion.text,
-                        logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
-                        finish_reason=("prefill_done" if handoff else _finish_reason(completion.finish_reason))
-                        if final else None,
-                        stop_reason=completion.stop_reason if final else None,
-                        usage=Usage(
-                            prompt_tokens=len(request.prompt_token_ids),
-                            completion_tokens=completion_tokens,
-                            cached_tokens=out.num_cached_tokens or 0,
+                    for completion in out.outputs:  # n > 1: each child's delta, with its index
+                        completion_tokens += len(completion.token_ids)
+                        done = completion.finish_reason is not None
+                        left -= done
+                        final = done and not left
+                        # vLLM's connector holds the KV for a decode side exactly when it returns its params
+                        held = final and self.role is EngineRole.PREFILL and out.kv_transfer_params
+                        handoff = EngineHandoff(params=out.kv_transfer_params) if held else None
+                        yield EngineOutput(
+                            request_id=request.request_id,
+                            token_ids=list(completion.token_ids),
+                            text=completion.text,
+                            logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
+                            finish_reason=("prefill_done" if handoff else _finish_reason(completion.finish_reason))
+                            if done else None,
+                            stop_reason=completion.stop_reason if done else None,
+                            usage=Usage(
+                                prompt_tokens=len(request.prompt_token_ids),
+                                completion_tokens=completion_tokens,
+                                cached_tokens=out.num_cached_tokens or 0,
+                            )
+                            if final
+                            else None,
+                            handoff=handoff,
+                            index=completion.index,
+                            choices_left=left,
+                            prompt_logprobs=_prompt_logprobs(request, out.prompt_logprobs) if prompt_scores else None,
                         )
-                        if final
-                        else None,
-                        handoff=handoff,
-                    )
+                        prompt_scores = False  # with the request's first output only
         finally:
             await stream.aclose()
 
@@ -236,6 +255,19 @@ def structured_outputs(guided: Guided | None) -> StructuredOutputsParams | None:
     if kind == "choice":
         return StructuredOutputsParams(choice=json.loads(spec))
     return StructuredOutputsParams(**{kind: spec})  # regex, grammar, structural_tag: vLLM's own names
+
+
+def _prompt_logprobs(request: EngineRequest, scores: list[dict[int, Any] | None] | None) -> list[TokenLogprob | None]:
+    """vLLM's prompt logprobs (per prompt token, its own and the top alternatives by id) as TokenLogprobs."""
+    k = request.sampling.prompt_logprobs or 0
+    result: list[TokenLogprob | None] = []
+    for token, alternatives in zip(request.prompt_token_ids, scores or []):
+        if alternatives is None:
+            result.append(None)
+            continue
+        top = sorted(((tid, lp.logprob) for tid, lp in alternatives.items()), key=lambda t: -t[1])[:k]
+        result.append(TokenLogprob(token_id=token, logprob=alternatives[token].logprob, top=top))
+    return result
 
 
 def _logprobs(completion: Any) -> list[TokenLogprob]:

@@ -2,9 +2,9 @@
 stream back.
 
 Errors are OpenAI error bodies: 400 the client's fault (never retried; context overflow too, as
-OpenAI answers it), 401 bad key, 404 unknown model (naming the served ones), 413 body too large, 503 overloaded or a worker
-gone or silent (retry), 500 anything else. Server errors name no internal endpoint: the log has the
-details. A client that goes away, from the moment its request arrives, cancels the request on
+OpenAI answers it), 401 bad key, 404 unknown model (naming the served ones), 413 body too large, 503
+overloaded or a worker gone or silent (retry), 500 anything else. Server errors name no internal endpoint:
+the log has the details. A client that goes away, from the moment its request arrives, cancels the request on
 every worker holding it. Tokenization and the chat template run off the event loop (for a body over 8 KiB;
 a smaller one costs less than a thread's hand-off).
 """
@@ -32,7 +32,7 @@ from dynamo_pd.frontend import openai as oai, structured
 from dynamo_pd.frontend.fields import FieldPolicy
 from dynamo_pd.frontend.gateway import ModelNotFoundError
 from dynamo_pd.frontend.tools import prompt, request as tool_request
-from dynamo_pd.frontend.tools.output import OutputReader, Readers
+from dynamo_pd.frontend.tools.output import OutputReader, Readers, choice_schema
 from dynamo_pd.frontend.limits import Limiter, LimitsConfig, QueueFullError, RateLimitedError, client_key, queued
 from dynamo_pd.frontend.sse import DONE, Chunks, EventStream
 from dynamo_pd.metrics import Metrics
@@ -40,6 +40,7 @@ from dynamo_pd.runtime.errors import RemoteError, RpcError, StreamStalledError
 from dynamo_pd.protocol import (
     EngineOutput,
     EngineRequest,
+    Guided,
     InvalidRequestError,
     OverloadedError,
     PromptTooLongError,
@@ -296,19 +297,19 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         def reader(backend: Backend, ids: list[int]) -> OutputReader | None:
             return readers.reader(backend.tokenizer, tools, choice, body.parallel_tool_calls, ids)
 
-        return await serve("chat", body, tokenize, request, reader)
+        # "required" or a named function: the output is constrained to the calls' JSON, which the reader reads
+        schema = choice_schema(tools, choice, body.parallel_tool_calls is not False)
+        forced = structured.json_schema(schema, "tool_choice") if schema is not None else None
+        return await serve("chat", body, tokenize, request, reader, forced)
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request) -> Response:
         fields.check("completion", body.model_extra)
-        def tokenize(tokenizer: Any) -> list[int]:
-            return list(body.prompt) if isinstance(body.prompt, list) else tokenizer(body.prompt).input_ids
-
-        return await serve("completion", body, tokenize, request)
+        return await serve("completion", body, body.prompt_ids, request)
 
     async def serve(kind: str, body: oai._Common, tokenize: Callable[[Any], list[int]], http: Request,
                     reader_for: Callable[[Backend, list[int]], OutputReader | None] | None = None,
-                    ) -> Response:
+                    forced: Guided | None = None) -> Response:
         rid = oai.new_id("chatcmpl" if kind == "chat" else "cmpl")
         # the trace's root (or the client's traceparent's child); NOOP when tracing is off or not sampled
         span = tracing.request_span(http.headers, {"dynamo_pd.request_id": rid, "dynamo_pd.kind": kind,
@@ -321,14 +322,14 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         stream: AsyncIterator[EngineOutput] | None = None
         status = "200"  # counted here unless a streamed response took the stream (it counts itself)
         charged = False
-        reader: OutputReader | None = None  # tool calls and reasoning read out of a chat's output
+        shape: oai.Shape | None = None  # how the outputs become choices (a chat's: its tool calls read out)
 
         async def start(name: str) -> tuple[Backend, AsyncIterator[EngineOutput], EngineOutput,
                                             RequestContext]:
             """`name`'s backend, its stream, the stream's first output and the request's context (a model
             without a ready worker, a full queue or a worker that failed before any output raise, and its
             fallback is tried)."""
-            nonlocal stream, charged, reader
+            nonlocal stream, charged, shape
             backend = models.lookup(name)
             if not backend.ready():
                 raise OverloadedError(f"model {name!r} has no worker ready")
@@ -347,7 +348,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             if not charged:  # limits count the model asked for, once
                 models.limiter.check(key, body.model, tokens=len(ids) + request.stop.max_tokens)
                 charged = True
-            reader = reader_for(backend, ids) if reader_for is not None else None
+            choice_readers = [reader_for(backend, ids) for _ in range(body.n)] if reader_for is not None else []
+            shape = body.shape(backend.tokenizer.decode, ids, choice_readers)  # each choice reads its own output
             if admission.is_recording():  # admitted: the first model's admission (a fallback's is a retry's)
                 admission.set_attributes({"dynamo_pd.model": name, "dynamo_pd.prompt_tokens": len(ids),
                                           "dynamo_pd.max_tokens": request.stop.max_tokens})
@@ -361,6 +363,10 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
             chain = models.chain(body.model)
             models.limiter.check(key, body.model, requests=1)
             guided = structured.from_request(body)
+            if forced is not None and guided is not None:
+                raise InvalidRequestError("a required or named tool_choice constrains the output to its calls: it "
+                                          f"cannot be combined with {guided.param}", "tool_choice")
+            guided = forced or guided
             if guided is not None:  # a spec that does not compile is a 400 before any worker sees it
                 await _unless_gone(gone, structured.check(guided))
             failures: list[Exception] = []
@@ -384,13 +390,13 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
                 headers["x-dynamo-pd-worker"] = context.worker_id
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                sse = _sse(kind, rid, backend, _chain(first, stream), include_usage, metrics, reader, span)
+                sse = _sse(shape, rid, backend, _chain(first, stream), include_usage, metrics, body.n, span)
                 response = EventStream(sse, gone, headers)
                 # the response owns them: it notices a client leaving, counts the request and ends its span
                 stream, status, gone = None, None, None
                 return response
             outputs = [first, *await _unless_gone(gone, _collect(stream))]
-            whole = oai.whole_body(kind, rid, backend.model_name, backend.tokenizer.decode, outputs, reader)
+            whole = oai.whole_body(shape, rid, backend.model_name, outputs)
             return JSONResponse(whole, headers=headers)
         except _ClientGone:  # the request is cancelled everywhere already
             log.info("request %s: the client went away", rid)
@@ -506,24 +512,25 @@ async def _wait_disconnect(http: Request) -> None:
         pass
 
 
-async def _sse(kind: str, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput], include_usage: bool,
-               metrics: Metrics, reader: OutputReader | None = None, span: Any = tracing.NOOP,
+async def _sse(shape: oai.Shape, rid: str, backend: Backend, stream: AsyncIterator[EngineOutput],
+               include_usage: bool, metrics: Metrics, n: int = 1, span: Any = tracing.NOOP,
                ) -> AsyncIterator[bytes]:
-    """The response's events, those of one output in one item (with the first, the role chunk; with the
-    last, the usage chunk and the end)."""
-    chunks, decode = Chunks(kind, rid, backend.model_name), backend.tokenizer.decode
+    """The response's events, those of one output in one item (with the first, each choice's role chunk;
+    with the last, the usage chunk and the end). The choices' chunks interleave, each with its index."""
+    kind = shape.kind
+    chunks = Chunks(kind, rid, backend.model_name)
     status = "200"
-    role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-    data = chunks.choice(role) if kind == "chat" else b""
+    roles = [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None} for i in range(n)]
+    data = b"".join(chunks.choice(role) for role in roles) if kind == "chat" else b""
     done = False
     try:
         async for out in stream:
-            choice = oai.stream_choice(kind, out, decode, reader)
+            choice = oai.stream_choice(shape, out)
             if choice is not None:
                 data += chunks.choice(choice)
             if out.usage is not None and include_usage:
                 data += chunks.usage(oai.usage_body(out.usage))
-            if out.finish_reason is not None:  # the last output
+            if out.ends:  # the request's last output
                 data, done = data + DONE, True
             if data:
                 yield data

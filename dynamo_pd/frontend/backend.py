@@ -21,6 +21,9 @@ placement is the one object the request's life is told to: the client's first to
 success or failure (its load and circuit breaker) and the end, so the router's load follows the request.
 Workers register their KV block size; the first one sets the router's, and a worker with another
 is refused (an ERROR line, dynamo_pd_workers_refused{reason="block_size"}).
+A route whose prefix comes from a peer (the router's fetch-or-recompute plan, RouteDecision.source "peer")
+sends its worker the peer's KV endpoint (EngineRequest.kv_prefix); a request migrated from a draining worker
+is offered that worker's KV the same way (router.consider_peer), which it keeps serving while it drains.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,11 +45,12 @@ from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from dynamo_pd.frontend.resubscribe import follow_subject
 from dynamo_pd.metrics import Metrics
 from dynamo_pd.handoff import together_timeouts
-from dynamo_pd.protocol import EngineOutput, EngineRequest, LoadMetrics, OverloadedError, Usage, WorkerInfo
+from dynamo_pd.protocol import (EngineOutput, EngineRequest, LoadMetrics, OverloadedError, PeerPrefix, Usage,
+                                WorkerInfo)
 from dynamo_pd.frontend.migration import Journey, WorkerFailure, failure_reason
 from dynamo_pd.runtime import Discovery, EventPlane, RequestCancelledError, RequestContext, RpcClient, RpcError
 from dynamo_pd.runtime.tasks import cancel_and_wait
-from router.service import KvRouter, LayoutMismatch, Placement, RoutingError
+from router.service import KvRouter, LayoutMismatch, Placement, RouteDecision, RoutingError
 from router.worker import Role
 
 log = logging.getLogger("dynamo_pd.frontend")
@@ -53,6 +58,7 @@ log = logging.getLogger("dynamo_pd.frontend")
 _output_decoder = msgspec.msgpack.Decoder(EngineOutput)
 _load_decoder = msgspec.msgpack.Decoder(LoadMetrics)
 _encoder = msgspec.msgpack.Encoder()
+_DEPARTED_KEPT = 256  # workers that left, remembered for the KV a draining one still serves
 
 
 class KVLoadFailedError(RuntimeError):
@@ -78,6 +84,7 @@ class RemoteBackend:
         self.workers: dict[str, WorkerInfo] = {}
         self.rpc = RpcClient(inter_response_timeout_s=self.config.inter_token_timeout_s)
         self._refused: set[str] = set()  # registered workers this frontend cannot serve, refused once
+        self._departed: OrderedDict[str, WorkerInfo] = OrderedDict()  # recently left: a drained one's KV
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
         self.kv_events = KvEventFollower(router.ingestor, events)
         self.membership = Membership(discovery, self._joined, self._left)
@@ -117,6 +124,9 @@ class RemoteBackend:
     def _left(self, info: WorkerInfo) -> None:
         self._refused.discard(info.worker_id)
         if (left := self.workers.pop(info.worker_id, None)) is not None:
+            self._departed[left.worker_id] = left
+            while len(self._departed) > _DEPARTED_KEPT:
+                self._departed.popitem(last=False)
             self.rpc.release(left.rpc_endpoint)
             self.kv_events.forget(info.worker_id)
             self.router.remove_worker(info.worker_id)
@@ -129,7 +139,7 @@ class RemoteBackend:
             return
         try:
             self.router.add_worker(info.worker_id, info.role, capacity_blocks=info.num_kv_blocks or 1 << 30,
-                                   block_size=info.block_size)
+                                   block_size=info.block_size, lends_prefixes=info.kv_peer_prefixes)
         except LayoutMismatch:  # its KV events and prompts would hash to other blocks than the pool's
             self._refuse(info, "block_size", f"its KV block size is {info.block_size}, the pool's is "
                                              f"{self.router.block_size}; start it with --block-size "
@@ -243,6 +253,8 @@ class RemoteBackend:
 
     async def _attempt(self, placement: Placement, request: EngineRequest, journey: Journey,
                        context: RequestContext) -> AsyncIterator[EngineOutput]:
+        if request.resume_token_ids:
+            self._migrated_kv(placement, request, journey)
         decode = placement.decode
         if placement.prefill_refused is not None:  # every prefill worker busy: prefill locally, or fail
             stream = self._fallback(placement, request, context, None, "prefill_failed", placement.prefill_refused)
@@ -268,6 +280,7 @@ class RemoteBackend:
         if worker is None:
             raise WorkerFailure(worker_id, "worker_left", OverloadedError("the worker left before the request "
                                                                           "reached it"))
+        request = self._with_peer_prefix(placement.routes[role], request)
         try:
             batches = self.rpc.stream_batches(worker.rpc_endpoint, _encoder.encode(request), context,
                                               first_response_timeout_s=first_response_timeout_s)
@@ -291,6 +304,33 @@ class RemoteBackend:
         except RpcError as exc:
             raise WorkerFailure(worker_id, failure_reason(exc), exc) from exc
 
+    def _with_peer_prefix(self, route: RouteDecision, request: EngineRequest) -> EngineRequest:
+        """The request as the route's worker gets it: where it computes the prompt and the router planned a
+        peer's prefix for it, with that peer's KV endpoint (a worker that left is found among the departed)."""
+        if route.source != "peer" or request.handoff is not None:
+            return request
+        peer = self.workers.get(route.peer) or self._departed.get(route.peer)
+        if peer is None or not peer.kv_endpoint:
+            return request
+        return msgspec.structs.replace(request, kv_prefix=PeerPrefix(worker_id=peer.worker_id,
+                                                                     endpoint=peer.kv_endpoint,
+                                                                     num_blocks=route.peer_blocks))
+
+    def _migrated_kv(self, placement: Placement, request: EngineRequest, journey: Journey) -> None:
+        """A migrated request: a draining worker still serves the KV it computed for it, offered to the new
+        worker (router.consider_peer weighs it); counted by where its context's KV comes from."""
+        route = placement.decode  # a migration resumes where it streams: that worker computes the context
+        drained = None
+        if journey.drained is not None:
+            drained = self.workers.get(journey.drained) or self._departed.get(journey.drained)
+        if drained is not None and drained.kv_peer_prefixes:
+            tokens = request.prompt_token_ids + request.resume_token_ids
+            held = (len(tokens) - 1) // drained.block_size  # the last token's KV was never computed there
+            route = self.router.consider_peer(route, tokens, request.cache_salt, drained.worker_id, held)
+            placement.routes[route.pool] = route
+        kv = "moved" if route.source == "peer" else "local" if route.cached_tokens else "recomputed"
+        self.metrics.migration_kv.labels(kv).inc()
+
     async def _disaggregated(self, placement: Placement, request: EngineRequest,
                              context: RequestContext) -> AsyncIterator[EngineOutput]:
         prefill = self.workers.get(placement.prefill.worker_id)
@@ -309,7 +349,11 @@ class RemoteBackend:
                     decode_stream = self._stream(placement, Role.DECODE, to_prefill, context, decode_first_s)
                     decode_started = asyncio.ensure_future(anext(decode_stream))
                 prefill_stream = self._stream(placement, Role.PREFILL, to_prefill, prefill_context)
-                first = await anext(prefill_stream)
+                firsts = [await anext(prefill_stream)]
+                while not firsts[-1].ends:  # n > 1: each choice's first token, the hand-off with the last
+                    firsts.append(await anext(prefill_stream))
+                first = firsts[-1]
+                firsts.sort(key=lambda out: out.index)
                 if first.handoff is None and first.finish_reason not in ("stop", "length"):
                     raise RuntimeError(first.error or f"prefill ended with {first.finish_reason} and no KV hand-off")
             except (RpcError, RuntimeError, StopAsyncIteration) as exc:
@@ -323,20 +367,23 @@ class RemoteBackend:
                     yield out
                 return
             placement.succeeded(Role.PREFILL)
-            if first.handoff is None:  # the first token ended the request (stop, EOS, max_tokens): the answer
-                yield first
+            if first.handoff is None:  # the first tokens ended the request (stop, EOS, max_tokens): the answer
+                for out in firsts:
+                    yield out
                 return
             resampled = first.handoff.first_token_from_decode  # then the decode side's first token is the one
             if not resampled:
-                yield msgspec.structs.replace(first, finish_reason=None, usage=None, handoff=None)
+                for out in _first_tokens(firsts):
+                    yield out
             if decode_stream is None:
-                remote = msgspec.structs.replace(request, handoff=first.handoff, first_token_id=first.token_ids[0])
-                decode_stream = self._stream(placement, Role.DECODE, remote, context)
+                decode_stream = self._stream(placement, Role.DECODE, _continued(request, firsts, first.handoff),
+                                             context)
             try:
-                async for out in self._decode_after_handoff(decode_stream, first, decode_started, resampled):
+                async for out in self._decode_after_handoff(decode_stream, first, decode_started,
+                                                            [] if resampled else firsts):
                     yield out
             except KVLoadFailedError as exc:
-                sent = None if resampled else first
+                sent = [] if resampled else firsts
                 async for out in self._fallback(placement, request, context, sent, "transfer_failed", exc):
                     yield out
         finally:
@@ -349,9 +396,10 @@ class RemoteBackend:
 
     async def _decode_after_handoff(self, decode_stream: AsyncIterator[EngineOutput], first: EngineOutput,
                                     decode_started: asyncio.Future | None,
-                                    resampled: bool) -> AsyncIterator[EngineOutput]:
-        """The decode stream (its first output already awaited in `decode_started`, push mode), minus
-        its echo of the first token (already sent unless `resampled`), with the prefill's prompt usage."""
+                                    sent: list[EngineOutput]) -> AsyncIterator[EngineOutput]:
+        """The decode stream (its first output already awaited in `decode_started`, push mode), minus what
+        repeats the `sent` first tokens (none when the decode side samples the first token again), with the
+        prefill's prompt usage."""
 
         async def outputs() -> AsyncIterator[EngineOutput]:
             if decode_started is not None:
@@ -359,35 +407,35 @@ class RemoteBackend:
             async for item in decode_stream:
                 yield item
 
-        echo_pending, started = not resampled, False
-        async for out in outputs():
-            if out.finish_reason == "error" and not started:
-                raise KVLoadFailedError(out.error or "KV import failed")
-            started = started or bool(out.token_ids)
-            if echo_pending and out.token_ids:
-                echo_pending, out = False, _drop_echo(out)
+        started = False
+
+        async def checked() -> AsyncIterator[EngineOutput]:
+            nonlocal started
+            async for out in outputs():
+                if out.finish_reason == "error" and not started:
+                    raise KVLoadFailedError(out.error or "KV import failed")
+                started = started or bool(out.token_ids)
+                yield out
+
+        async for out in _after_first_tokens(checked(), sent):
             if out.usage is not None and first.usage is not None:
                 out = msgspec.structs.replace(out, usage=Usage(
                     prompt_tokens=first.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
                     cached_tokens=first.usage.cached_tokens))
-            if out.token_ids or out.text or out.finish_reason:
-                yield out
+            yield out
 
     async def _fallback(self, placement: Placement, request: EngineRequest, context: RequestContext,
-                        first: EngineOutput | None, reason: str, exc: Exception) -> AsyncIterator[EngineOutput]:
-        """Prefill on the decode worker instead; after a first token the client has, the decode engine
-        prefills the prompt and continues from that token (echoing it, as after a hand-off)."""
+                        sent: list[EngineOutput] | None, reason: str,
+                        exc: Exception) -> AsyncIterator[EngineOutput]:
+        """Prefill on the decode worker instead; after the first tokens the client has (`sent`, one per choice),
+        the decode engine prefills the prompt and continues from them (echoing them, as after a hand-off)."""
         if self.config.on_prefill_failure == "fail":
             raise RuntimeError(f"remote prefill failed ({reason}): {exc}") from exc
         log.warning("request %s: %s (%s); prefilling on the decode worker", request.request_id, reason, exc)
         self.metrics.fallbacks.labels(reason).inc()
-        echo_pending = first is not None
-        local = msgspec.structs.replace(request, first_token_id=first.token_ids[0]) if echo_pending else request
-        async for out in self._stream(placement, Role.DECODE, local, context):
-            if echo_pending and out.token_ids:
-                echo_pending, out = False, _drop_echo(out)
-            if out.token_ids or out.text or out.finish_reason:
-                yield out
+        local = _continued(request, sent) if sent else request
+        async for out in _after_first_tokens(self._stream(placement, Role.DECODE, local, context), sent or []):
+            yield out
 
 
 def _route_attributes(placement: Placement, policy: str) -> dict[str, Any]:
@@ -413,16 +461,52 @@ def _route_attributes(placement: Placement, policy: str) -> dict[str, Any]:
     return attributes
 
 
+def _first_tokens(firsts: list[EngineOutput]) -> list[EngineOutput]:
+    """The prefill's outputs (one per choice) as the client gets them before the decode side's: a choice its
+    first token ended is over; the request is not."""
+    going = sum(out.finish_reason == "prefill_done" for out in firsts)
+    return [msgspec.structs.replace(out, usage=None, handoff=None, choices_left=going,
+                                    finish_reason=None if out.finish_reason == "prefill_done" else out.finish_reason)
+            for out in firsts]
+
+
+def _continued(request: EngineRequest, firsts: list[EngineOutput], handoff: Any = None) -> EngineRequest:
+    """The request for the decode side, which continues every choice from the first token the client has
+    (the prompt's logprobs went with them)."""
+    return msgspec.structs.replace(
+        request, handoff=handoff, first_token_id=firsts[0].token_ids[0],
+        fork_token_ids=[out.token_ids[0] for out in firsts[1:]],
+        sampling=msgspec.structs.replace(request.sampling, prompt_logprobs=None))
+
+
+async def _after_first_tokens(stream: AsyncIterator[EngineOutput],
+                              sent: list[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """A decode side's stream after the client has the `sent` first tokens: each choice's echo of its token
+    dropped, and nothing of a choice its first token ended (the decode side ends it at that echo, alongside
+    choices that go on: never the request's last output)."""
+    echoing = {out.index for out in sent if out.finish_reason == "prefill_done"}
+    ended = {out.index for out in sent} - echoing
+    async for out in stream:
+        if out.index in ended:
+            continue
+        if out.index in echoing and out.token_ids:
+            echoing.discard(out.index)
+            out = _drop_echo(out)
+        if out.token_ids or out.text or out.finish_reason:
+            yield out
+
+
 def _joined(a: EngineOutput, b: EngineOutput) -> EngineOutput | None:
     """`a` then `b` as one output, where `a` is a plain step (no end, usage, hand-off or error) and `b`
-    carries no hand-off, error or transfer figures, both with logprobs or neither; else None."""
-    if (a.finish_reason is not None or a.usage is not None or a.handoff is not None or a.error is not None
-            or b.handoff is not None or b.error is not None or b.transfer is not None
-            or (a.logprobs is None) != (b.logprobs is None)):
+    carries no hand-off, error, transfer figures or prompt logprobs, both of one choice, with logprobs or
+    neither; else None."""
+    if (a.index != b.index or a.finish_reason is not None or a.usage is not None or a.handoff is not None
+            or a.error is not None or b.handoff is not None or b.error is not None or b.transfer is not None
+            or b.prompt_logprobs is not None or (a.logprobs is None) != (b.logprobs is None)):
         return None
     return msgspec.structs.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
                                    logprobs=None if a.logprobs is None else a.logprobs + b.logprobs,
-                                   transfer=a.transfer)
+                                   transfer=a.transfer, prompt_logprobs=a.prompt_logprobs)
 
 
 def _drop_echo(out: EngineOutput) -> EngineOutput:

@@ -3,8 +3,8 @@
 - *served*: a declared field of the request model (`openai.py`), in the OpenAPI schema;
 - *allowed*: no effect on the output (`user`, `metadata`, ...), declared too, accepted and not used;
 - *refused*: a field of OpenAI's or vLLM's request schemas this server does not serve: a 400 naming it, unless it
-  holds the value that asks for nothing (`n: 1`, `logit_bias: {}`, `echo: false`, ...), which clients send
-  explicitly;
+  holds the value that asks for nothing (`min_p: 0`, `use_beam_search: false`, `bad_words: []`, ...),
+  which clients send explicitly;
 - anything else is accepted as vLLM accepts it, logged once per name and counted in
   `dynamo_pd_request_fields_unknown_total{field}`, so an operator sees what clients send that nothing reads.
 """
@@ -44,12 +44,12 @@ def _text_only(value: Any) -> bool:
 _VLLM_COMMON: dict[str, NoOp] = {
     "use_beam_search": _is(False), "length_penalty": _is(1.0, 1), "min_p": _is(0.0, 0), "min_tokens": _is(0),
     "include_stop_str_in_output": _is(False), "skip_special_tokens": _is(True),
-    "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _absent, "prompt_logprobs": _absent,
+    "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _absent,
     "allowed_token_ids": _empty, "bad_words": _empty, "guided_whitespace_pattern": _absent, "priority": _is(0),
     "request_id": _absent, "logits_processors": _empty,
     "return_tokens_as_token_ids": _is(False), "return_token_ids": _is(False), "cache_salt": _absent,
     "kv_transfer_params": _absent, "vllm_xargs": _empty, "mm_processor_kwargs": _empty, "prompt_embeds": _absent,
-    "logit_bias": _empty, "repetition_detection": _absent, "truncation_side": _absent,
+    "repetition_detection": _absent, "truncation_side": _absent,
     "routed_experts_prompt_start": _is(0), "stream_interval": _absent, "return_token_offsets": _is(False),
     "watermarking": _absent, "return_mm_kwargs": _absent, "ec_transfer_params": _absent, "media_io_kwargs": _empty,
     "logprob_token_ids": _empty, "mm_payload": _is("tensors"), "thinking_token_budget": _absent,
@@ -63,13 +63,12 @@ REFUSED: dict[str, dict[str, NoOp]] = {
         "audio": _absent, "modalities": _text_only, "prediction": _absent, "reasoning_effort": _absent,
         "verbosity": _absent, "web_search_options": _absent, "moderation": _absent,
         **_VLLM_COMMON,
-        "echo": _is(False), "add_generation_prompt": _is(True), "continue_final_message": _is(False),
+        "add_generation_prompt": _is(True), "continue_final_message": _is(False),
         "add_special_tokens": _is(False), "documents": _empty, "chat_template": _absent,
         "chat_template_kwargs": _empty, "reasoning_parser": _absent,
         "return_prompt_text": _absent, "include_reasoning": _is(True),
     },
     "completion": {
-        "best_of": _is(1), "echo": _is(False), "suffix": _empty,
         **_VLLM_COMMON,
         "add_special_tokens": _is(True),
     },

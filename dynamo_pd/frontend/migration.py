@@ -11,10 +11,14 @@ A worker fails a request when its stream breaks: the process died or the connect
     (WorkerInfo.resumes) prefills prompt + the tokens the client has (the prefix cache serves what it
     holds) and continues as though it had sampled them (EngineRequest.resume_token_ids), so the client's
     stream goes on where it stopped, greedy text and seeded draws as an unfailed run's.
+    Its context's KV need not be recomputed: the router plans it like any prompt's (the new worker's pool
+    and tiers, or a peer's pool it reads from), and a worker that failed it by draining still serves the KV
+    it computed, which the new worker is offered (`drained`, RemoteBackend._migrated_kv).
 Both count against --migration-limit moves per request. A request cannot move when the limit is
-spent, no other worker can take it (or, after the first token, none whose engine resumes), or its
-max_tokens are all generated: it ends with the worker's error, of its kind (worker_stalled, ...), and the
-frontend's log names why it could not move.
+spent, no other worker can take it (or, after the first token, none whose engine resumes), its
+max_tokens are all generated, or it has n > 1 choices and the client has tokens of them (they are retried,
+never migrated: a resumed request continues one sequence): it ends with the worker's error, of its kind
+(worker_stalled, ...), and the frontend's log names why it could not move.
 """
 
 from __future__ import annotations
@@ -63,19 +67,23 @@ class Journey:
     failed: set[str] = field(default_factory=set)
     moves: int = 0
     finished: bool = False  # the client has the final output: a failure after it loses nothing
+    drained: str | None = None  # the worker that failed it last, when it failed it by draining
 
     def attempt(self) -> EngineRequest:
         """The request as the next worker gets it: its own id after a move (workers that saw the first
         may still hold it), and the tokens the client has."""
         if not self.moves:
             return self.request
+        sampling = self.request.sampling
+        if self.sent:  # the client has the prompt's logprobs: they came with the first output
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         return msgspec.structs.replace(self.request, request_id=f"{self.request.request_id}-{self.moves}",
-                                       resume_token_ids=list(self.sent))
+                                       resume_token_ids=list(self.sent), sampling=sampling)
 
     def sent_output(self, out: EngineOutput) -> EngineOutput:
         """Record an output on its way to the client; after a migration its usage is the whole request's."""
         self.sent += out.token_ids
-        self.finished = out.finish_reason is not None
+        self.finished = out.ends
         if self.moves and out.usage is not None:
             prompt = len(self.request.prompt_token_ids)
             out = msgspec.structs.replace(out, usage=Usage(
@@ -86,8 +94,11 @@ class Journey:
     def why_not(self, failure: WorkerFailure) -> str | None:
         """Why the request cannot move after `failure`; None: it can (the router may still find no worker)."""
         self.failed.add(failure.worker_id)
+        self.drained = failure.worker_id if failure.reason == "draining" else None
         if self.moves >= self.limit:
             return f"it may move {self.limit} times (--migration-limit) and moved {self.moves}"
+        if self.sent and self.request.sampling.n > 1:
+            return f"its {self.request.sampling.n} choices (n) do not migrate once the client has their tokens"
         if len(self.sent) >= self.request.stop.max_tokens:
             return f"all {len(self.sent)} of its max_tokens were generated"
         return None

@@ -181,6 +181,67 @@ def test_1p1d_gives_the_aggregated_text_logprobs_and_usage(native, openai_client
         assert not any(fallbacks(native[mode]).values()), fallbacks(native[mode])
 
 
+def test_every_refused_field_is_a_400_naming_it_aggregated_and_1p1d(native):
+    """Checked at the frontend before any worker is asked, so the same on every deployment: each is sent there."""
+    from tests.frontend.test_fields import ASKS, ASKS_ON, BODIES, CASES
+
+    for mode, deployment in native.items():
+        for route, name in CASES:
+            path, body = BODIES[route]
+            status, answer = deployment.post(path, {**body, name: ASKS_ON.get((route, name), ASKS.get(name))})
+            assert status == 400 and answer["error"]["param"] == name, (mode, name, answer)
+
+
+def served(client, route: str, **fields) -> dict:
+    """One request's text, finish, completion tokens and chat logprobs, with `fields` set (greedy unless they
+    set a temperature)."""
+    fields = {"temperature": 0, **fields}
+    if route == "chat":
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}],
+                                           **fields)
+        choice = r.choices[0]
+        lps = [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs])
+               for t in choice.logprobs.content] if choice.logprobs else None
+        return {"text": choice.message.content, "finish": choice.finish_reason,
+                "tokens": r.usage.completion_tokens, "logprobs": lps}
+    r = client.completions.create(model=MODEL, prompt="Count from one to ten: one, two,", **fields)
+    return {"text": r.choices[0].text, "finish": r.choices[0].finish_reason, "tokens": r.usage.completion_tokens,
+            "logprobs": None}
+
+
+def test_every_served_sampling_field_is_honoured_the_same_aggregated_and_1p1d(native, openai_client_factory):
+    """Each field the request models serve changes what a plain request gets (so it is read, not dropped), and
+    pull and push give exactly what aggregated gives with it."""
+    plain = {"max_tokens": 16}
+    cases = {  # name -> (route, fields)
+        "plain": ("completion", plain),
+        "top_k": ("completion", {**plain, "temperature": 1.0, "seed": 3, "extra_body": {"top_k": 1}}),
+        "top_p": ("completion", {**plain, "temperature": 1.0, "seed": 3, "top_p": 1e-6}),
+        "seeded": ("completion", {**plain, "temperature": 1.0, "seed": 3}),
+        "presence_penalty": ("completion", {**plain, "presence_penalty": 2.0}),
+        "frequency_penalty": ("completion", {**plain, "frequency_penalty": 2.0}),
+        "repetition_penalty": ("completion", {**plain, "extra_body": {"repetition_penalty": 1.5}}),
+        "stop_token_ids": ("completion", {**plain, "extra_body": {"stop_token_ids": [28]}}),  # "," in SmolLM2
+        "ignore_eos": ("chat", {"max_tokens": 64, "extra_body": {"ignore_eos": True}}),
+        "chat_plain": ("chat", {"max_tokens": 64}),
+        "max_completion_tokens": ("chat", {"max_completion_tokens": 3}),
+        "logprobs": ("chat", {"max_tokens": 4, "logprobs": True, "top_logprobs": 2}),
+    }
+    results = {mode: {name: served(openai_client_factory(d), route, **fields)
+                      for name, (route, fields) in cases.items()} for mode, d in native.items()}
+    agg = results["aggregated"]
+    for name in ("top_k", "top_p"):  # top_k 1 and a tiny top_p leave only the greedy token: the greedy text
+        assert agg[name]["text"] == agg["plain"]["text"] != agg["seeded"]["text"], name
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert agg[name]["text"] != agg["plain"]["text"], name
+    assert agg["stop_token_ids"]["finish"] == "stop" and agg["stop_token_ids"]["tokens"] < agg["plain"]["tokens"]
+    assert agg["chat_plain"]["finish"] == "stop" and agg["ignore_eos"]["tokens"] == 64, agg["chat_plain"]
+    assert agg["max_completion_tokens"]["tokens"] == 3 and agg["max_completion_tokens"]["finish"] == "length"
+    assert len(agg["logprobs"]["logprobs"]) == 4 and all(len(top) == 2 for *_, top in agg["logprobs"]["logprobs"])
+    for mode in ("pull", "push"):
+        assert results[mode] == agg, mode
+
+
 def vllm_up(deployment: Deployment, workers: tuple[str, ...]) -> bool:
     workers_registered(deployment)  # raises, with the log, when a worker exited
     return deployment.get("/ready")[0] == 200 and all(
@@ -191,7 +252,11 @@ def vllm_ipc_files() -> set[Path]:
     """What vLLM workers bind in the temp folder: the KV events' ipc files a worker names, the folder it gives
     vLLM for the sockets to its engine process, and those sockets where vLLM names them itself (by uuid)."""
     tmp = Path(tempfile.gettempdir())
-    return {*tmp.glob("dynamo_pd-*.kv*"), *tmp.glob("dynamo_pd-vllm-*"), *tmp.glob("????????-????-????-????-????????????")}
+    return {
+        *tmp.glob("dynamo_pd-*.kv*"),
+        *tmp.glob("dynamo_pd-vllm-*"),
+        *tmp.glob("????????-????-????-????-????????????"),
+    }
 
 
 # vLLM's decode side samples the first token again: it computes the last prompt position itself, one

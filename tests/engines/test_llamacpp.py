@@ -21,7 +21,9 @@ pytest.importorskip("llama_cpp")
 from dynamo_pd.engines.llamacpp import LlamaCppEngine, gguf_path  # noqa: E402
 
 pytestmark = pytest.mark.slow
-PROMPT = "<|im_start|>user\nName three rivers in Europe and say one thing about each.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = (
+    "<|im_start|>user\nName three rivers in Europe and say one thing about each.<|im_end|>\n<|im_start|>assistant\n"
+)
 CONFIG = dict(max_model_len=1024, kv_cache_memory_gb=0.05, block_size=16, extra={"num_threads": 1})
 
 
@@ -113,8 +115,12 @@ class Pair:
     async def __aenter__(self):
         self.prefill = await started(EngineRole.PREFILL)
         self.decode = await started(EngineRole.DECODE, kv_loader=self.load)
-        self.p_agent = await KVTransferAgent("p", KVMemory.native(self.prefill.kv_cache, "m"), TransferConfig("inproc")).start()
-        self.d_agent = await KVTransferAgent("d", KVMemory.native(self.decode.kv_cache, "m"), TransferConfig("inproc")).start()
+        self.p_agent = await KVTransferAgent(
+            "p", KVMemory.native(self.prefill.kv_cache, "m"), TransferConfig("inproc")
+        ).start()
+        self.d_agent = await KVTransferAgent(
+            "d", KVMemory.native(self.decode.kv_cache, "m"), TransferConfig("inproc")
+        ).start()
         return self
 
     async def __aexit__(self, *exc):
@@ -129,7 +135,7 @@ class Pair:
         target = self.d_agent.hold(handoff.request_id, blocks, handoff.num_tokens,
                                    lambda rid, why, payload: ended.set_result(payload), writable=True)
         await self.d_agent.reserve(self.p_agent.endpoint, target)
-        return int.from_bytes(await ended, "little")
+        return [int.from_bytes(await ended, "little")]  # every choice's first token: one
 
     async def run(self, rid: str, mode: str, **kwargs) -> list:
         req = request(self.prefill, rid, **kwargs)
@@ -146,7 +152,9 @@ class Pair:
         else:
             handoff = PushHandoff(worker_id="p", peer_endpoint=self.p_agent.endpoint, request_id=rid,
                                   num_tokens=held.num_tokens, wait_s=10)
-            decoding = asyncio.ensure_future(collect(self.decode, EngineRequest(**{**_fields(req), "handoff": handoff})))
+            decoding = asyncio.ensure_future(
+                collect(self.decode, EngineRequest(**{**_fields(req), "handoff": handoff}))
+            )
             target = await self.p_agent.wait_push_target(rid, 10)
             await self.p_agent.push(target, held.block_ids, payload=first[0].token_ids[0].to_bytes(4, "little"))
             await self.prefill.release_handoff(rid)

@@ -83,7 +83,7 @@ def disaggregated(cores, request: EngineRequest, how: str) -> list[EngineOutput]
         src, dst = torch.tensor(held.block_ids[cached:]), torch.tensor(seq.block_table[cached:])
         decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
         prefill.release_handoff(rid)
-        rest = finish(decode, rid, [decode.finish_load(rid, None if how == "pull" else token)])
+        rest = finish(decode, rid, decode.finish_load(rid, None if how == "pull" else [token]))
     echo = rest[0]
     assert echo.token_ids[:1] == [token] and echo.logprobs is None
     rest[0] = msgspec.structs.replace(echo, token_ids=echo.token_ids[1:])

@@ -42,6 +42,15 @@ def test_greedy_and_top_k_1_pick_the_argmax():
         assert draw(logits, [seq_with([1], temperature=1.5, top_k=1)] * 2, seed) == [1, 2]
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """Logits over 1e-300 overflow to inf and softmax to NaN, which picked the last token (schemathesis found it
+    under a grammar, where that token was one the grammar forbids); below 1e-5 is greedy, as in vLLM."""
+    logits = logits_for([0.1, 3.0, 2.9], [2.0, 0.0, 5.0])
+    for temperature in (1e-300, 5e-324, 1e-6):
+        for top_p in (1.0, 0.5):
+            assert draw(logits.clone(), [seq_with([1], temperature=temperature, top_p=top_p)] * 2) == [1, 2]
+
+
 def test_seeded_rows_repeat_whatever_shares_the_batch():
     logits = logits_for([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
     runs = [draw(logits[:1], [seq_with([1], seed=7)])[0] for _ in range(3)]
@@ -151,7 +160,9 @@ def test_sampling_options_end_to_end(llm, prompt_ids):
 
     text = greedy[1].text
     word = text.split()[len(text.split()) // 2]
-    cut = llm.generate(prompts[1:2], SamplingParams(temperature=0), StopConditions(max_tokens=16, stop=[word], ignore_eos=True))[0]
+    cut = llm.generate(
+        prompts[1:2], SamplingParams(temperature=0), StopConditions(max_tokens=16, stop=[word], ignore_eos=True)
+    )[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == word
     assert cut.text == text[: text.index(word)]
 

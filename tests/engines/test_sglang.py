@@ -99,7 +99,12 @@ def test_prefill_server_args_are_sglangs_own(tmp_path):
     assert (args.random_seed, args.mem_fraction_static, args.device) == (3, 0.4, "cpu")
     assert args.disaggregation_bootstrap_port != 8998  # a free port: two prefill workers on one host
     events = KVEventsConfig.from_cli(args.kv_events_config)  # as SGLang's scheduler parses it
-    assert (events.publisher, events.endpoint, events.replay_endpoint, events.topic) == ("zmq", pub, pub + ".replay", "")
+    assert (events.publisher, events.endpoint, events.replay_endpoint, events.topic) == (
+        "zmq",
+        pub,
+        pub + ".replay",
+        "",
+    )
     offer = e.handoff_offer()
     assert offer.params == {"bootstrap_host": "127.0.0.1", "bootstrap_port": args.disaggregation_bootstrap_port}
     assert offer.first_token_from_decode
@@ -282,6 +287,7 @@ async def test_kv_events_from_sglangs_publisher_reach_the_indexer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.hardware
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="sglang.Engine needs an NVIDIA GPU")
 async def test_real_engine(model_dir):
     e = SglangEngine(EngineConfig(role=EngineRole.AGGREGATED, device="cuda", dtype="bfloat16",

@@ -230,7 +230,13 @@ def test_llm_args(trtllm):
 def test_sampling_params(trtllm):
     e = engine(trtllm, EngineRole.AGGREGATED)
     sampled = e.sampling_params(request())
-    assert (sampled.temperature, sampled.top_k, sampled.seed, sampled.logprobs, sampled.stop) == (0.7, None, 5, 1, ["."])
+    assert (sampled.temperature, sampled.top_k, sampled.seed, sampled.logprobs, sampled.stop) == (
+        0.7,
+        None,
+        5,
+        1,
+        ["."],
+    )
     greedy = e.sampling_params(request(sampling=SamplingParams(temperature=0)))
     assert (greedy.top_k, greedy.temperature) == (1, None)
 
@@ -318,6 +324,7 @@ async def test_kv_events_reach_the_wire_format(trtllm):
 
 
 @pytest.mark.slow
+@pytest.mark.hardware
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None,
                     reason="needs tensorrt_llm (NVIDIA GPU; pip install tensorrt_llm from NVIDIA's index)")
 async def test_real_engine():

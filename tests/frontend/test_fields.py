@@ -32,15 +32,15 @@ ASKS = {
     "prediction": {"type": "content", "content": "hello"}, "reasoning_effort": "high", "verbosity": "low",
     "web_search_options": {}, "moderation": {"type": "auto"}, "use_beam_search": True, "length_penalty": 0.5,
     "min_p": 0.1, "min_tokens": 3, "include_stop_str_in_output": True, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
+    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "guided_whitespace_pattern": " ", "priority": 1,
     "request_id": "r1",
     "logits_processors": ["x"], "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
-    "prompt_embeds": "AAAA", "logit_bias": {"42": 100}, "echo": True, "add_generation_prompt": False,
+    "prompt_embeds": "AAAA", "add_generation_prompt": False,
     "continue_final_message": True, "documents": [{"text": "d"}], "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": True}, "reasoning_parser": "deepseek_r1",
-    "thinking_token_budget": 10, "best_of": 3, "suffix": " end", "repetition_detection": {"ngram": 3},
+    "thinking_token_budget": 10, "repetition_detection": {"ngram": 3},
     "truncation_side": "left", "routed_experts_prompt_start": 2, "stream_interval": 4, "return_token_offsets": True,
     "watermarking": {"key": 1}, "return_mm_kwargs": True, "ec_transfer_params": {"a": 1},
     "media_io_kwargs": {"image": {}}, "logprob_token_ids": [1, 2], "mm_payload": "none", "return_prompt_text": True,
@@ -48,7 +48,7 @@ ASKS = {
 }
 ASKS_ON = {("chat", "add_special_tokens"): True, ("completion", "add_special_tokens"): False}  # defaults differ
 NOOPS = {"tool_choice": "none", "function_call": "none",
-         "modalities": ["text"], "n": 1, "logit_bias": {}, "tools": [], "echo": False, "best_of": 1, "suffix": "",
+         "modalities": ["text"], "n": 1, "tools": [],
          "min_p": 0.0, "use_beam_search": False, "skip_special_tokens": True, "priority": 0}
 
 
@@ -122,7 +122,9 @@ CASES = [(route, name) for route in ("chat", "completion") for name in sorted(fi
 async def test_a_refused_field_that_asks_for_something_is_a_400_naming_it(tokenizer, route, name):
     backend = Backend(tokenizer)
     path, body = BODIES[route]
-    status, answer = await post(create_app(backend, FrontendConfig()), path, {**body, name: ASKS_ON.get((route, name), ASKS.get(name))})
+    status, answer = await post(
+        create_app(backend, FrontendConfig()), path, {**body, name: ASKS_ON.get((route, name), ASKS.get(name))}
+    )
     assert status == 400, answer
     assert answer["error"]["param"] == name and name in answer["error"]["message"], answer
     assert answer["error"]["type"] == "invalid_request_error"
@@ -183,12 +185,6 @@ async def test_vllms_continuous_usage_stats_is_refused_by_name(tokenizer):
     status, answer = await post(create_app(backend, FrontendConfig()), "/v1/completions", body)
     assert status == 400 and answer["error"]["param"] == "stream_options.continuous_usage_stats", answer
     assert backend.requests == []
-
-
-async def test_n_above_one_is_a_400_naming_n(tokenizer):
-    backend = Backend(tokenizer)
-    status, answer = await post(create_app(backend, FrontendConfig()), "/v1/chat/completions", {**CHAT, "n": 2})
-    assert status == 400 and answer["error"]["param"] == "n", answer
 
 
 async def test_message_keys_beyond_role_and_content_reach_the_chat_template(tokenizer):

@@ -166,6 +166,46 @@ async def test_a_named_choice_that_is_not_a_tool_is_a_400_naming_tool_choice(tok
     assert caught.value.body["param"] == "tool_choice"
 
 
+class Recording(Replay):
+    def __init__(self, tokenizer, output: str):
+        super().__init__(tokenizer, output)
+        self.requests = []
+
+    def generate(self, request, context):
+        self.requests.append(request)
+        return super().generate(request, context)
+
+
+async def test_required_and_named_choices_constrain_the_output_to_their_calls_json(tokenizer):
+    """The engine gets the calls' JSON schema as its grammar (a "required" list of {name, parameters}, or the
+    named function's parameters), and the answer is read as calls."""
+    cases = [("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'),
+             ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris"}')]
+    for choice, output in cases:
+        backend = Recording(tokenizer, output)
+        answer = await client(backend).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                               tool_choice=choice)
+        guided = backend.requests[-1].sampling.guided
+        assert guided is not None and (guided.kind, guided.param) == ("json_schema", "tool_choice")
+        schema = json.loads(guided.spec)
+        if choice == "required":
+            assert schema["type"] == "array" and schema["minItems"] == 1
+            assert [o["properties"]["parameters"] for o in schema["items"]["anyOf"]] == \
+                [WEATHER, {"type": "object"}]
+        else:
+            assert schema == WEATHER
+        calls = answer.choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+            [("get_weather", {"city": "Paris"})]
+    with pytest.raises(openai.BadRequestError) as caught:  # two constraints on one output
+        await client(Recording(tokenizer, "{}")).chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert caught.value.body["param"] == "tool_choice"
+    backend = Recording(tokenizer, CALLS)
+    await client(backend).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto")
+    assert backend.requests[-1].sampling.guided is None
+
+
 async def test_special_token_markers_the_engine_leaves_out_of_its_text_are_read_from_token_ids(model_dir):
     tokenizer, _ = load_tokenizer(model_dir)
     tokenizer._tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)

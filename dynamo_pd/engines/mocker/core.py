@@ -7,9 +7,11 @@ the native engine does and sets `step_s`, how long the profiled model takes for 
 speed-up). Instead of K and V it writes each computed token's id into a tiny KV cache in the native
 layout (1 layer, 1 head, 4 floats): not the model's KV, but real blocks for kv_transfer to move and
 for tests to check. Sampled tokens are pseudo-random and deterministic: a hash of the position and
-of the prompt (greedy), the prompt and seed (seeded), or the prompt and request id (else). Under a grammar
-(structured output) the pick is among the tokens it allows, a stop token as soon as it allows one (the
-output ends as early as the grammar lets it).
+of the prompt (greedy), the prompt and seed (seeded), or the prompt and request id (else), and of the choice
+(n > 1). Under a grammar (structured output) the pick is among the tokens it allows, a stop token as soon as it
+allows one (the output ends as early as the grammar lets it). A logit bias acts on stand-in logits (not under a
+grammar, whose rule picks): the hashed pick's is _PICK_LOGIT, every other token's 0; the highest biased one
+wins. Prompt logprobs (and every logprob) are hashes too, of the prompt and the position.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
 KV_HEAD_DIM = 4  # the tiny stand-in KV: [1 layer, 2, blocks, block_size, 1 head, 4] float32
+_PICK_LOGIT = 10.0  # the hashed pick's stand-in logit (logit_bias): a bias above it picks another token
 _PAIR = struct.Struct("<QQ")
 
 
@@ -131,14 +134,27 @@ class MockerCore(EngineCore):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
         for seq, _ in batch:
+            if seq.scores_prompt:
+                self._score_prompt(seq)
             if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prefill chunk short of the prompt's end samples nothing
-            given = seq.request.first_token_id
-            if given is not None and not seq.output_token_ids:  # prefilled here after a failed hand-off
-                outputs.append(self._append(seq, given, None, echo=True))
-            else:
-                outputs.append(self._append(seq, *self._sample(seq)))
+            for choice in self._with_forks(seq):
+                given = choice.given_token
+                if given is not None and not choice.output_token_ids:  # prefilled here after a failed hand-off
+                    outputs.append(self._append(choice, given, None, echo=True))
+                else:
+                    outputs.append(self._append(choice, *self._sample(choice)))
         return outputs
+
+    def _score_prompt(self, seq: Sequence) -> None:
+        """Stand-in logprobs of the prompt tokens computed so far (position p's logits score token p + 1)."""
+        key, plain, k = self._prompt_key(seq), self.tokenizer.plain, seq.request.sampling.prompt_logprobs
+        while len(seq.prompt_logprobs) < min(seq.num_computed_tokens + 1, seq.num_prompt_tokens):
+            position = len(seq.prompt_logprobs)
+            h = xxhash.xxh3_64_intdigest(_PAIR.pack(key, position))
+            logprob = -(h >> 40) / 2**22
+            top = [(plain[(h + j) % len(plain)], logprob - j) for j in range(k)]
+            seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[position], logprob, top))
 
     def _onboard_seconds(self, run: Onboarded) -> float:
         return self.profile.onboard_s(run.tier, run.blocks * self.block_manager.block_size) / self.speedup
@@ -156,12 +172,26 @@ class MockerCore(EngineCore):
         h = xxhash.xxh3_64_intdigest(_PAIR.pack(self._key(seq), len(seq.token_ids)))
         plain = self.tokenizer.plain
         token = plain[h % len(plain)] if seq.grammar is None else self._allowed(seq.grammar, h)
+        bias = seq.request.sampling.logit_bias
+        if bias and seq.grammar is None:
+            token = self._biased(h, bias)
         top_k = seq.request.sampling.logprobs
         if top_k is None:
             return token, None
         logprob = -(h >> 40) / 2**22  # in (-4, 0]
         top = [(plain[(h + j) % len(plain)], logprob - j) for j in range(top_k)]  # the sampled token first
         return token, TokenLogprob(token, logprob, top)
+
+    def _biased(self, h: int, bias: dict[int, float]) -> int:
+        """The pick under `bias`: the hashed pick at _PICK_LOGIT, the first plain token after it that no bias
+        names at 0 (a pick biased down gives way to it), each biased token at its bias; the highest wins."""
+        plain = self.tokenizer.plain
+        pick, j = plain[h % len(plain)], 1
+        while plain[(h + j) % len(plain)] in bias:  # at most len(bias) steps
+            j += 1
+        scores = {**bias, plain[(h + j) % len(plain)]: 0.0}
+        scores[pick] = scores.get(pick, 0.0) + _PICK_LOGIT
+        return max(scores, key=lambda t: (scores[t], t == pick))
 
     def _allowed(self, matcher: GrammarMatcher, h: int) -> int:
         """A token the grammar allows next: a stop token if it allows one, else a plain one by `h` (any
@@ -179,8 +209,13 @@ class MockerCore(EngineCore):
         key = self._keys.get(seq)
         if key is None:
             request, sampling = seq.request, seq.request.sampling
-            seed = request.request_id if sampling.seed is None else str(sampling.seed)
+            # choice i of a seeded request draws as the request seeded seed + i, as the native engine's does
+            unseeded = f"{request.request_id}/{seq.index}" if seq.index else request.request_id
+            seed = unseeded if sampling.seed is None else str(sampling.seed + seq.index)
             salt = "" if sampling.greedy else seed
             key = xxhash.xxh3_64_intdigest(token_bytes(request.prompt_token_ids) + salt.encode())
             self._keys[seq] = key
         return key
+
+    def _prompt_key(self, seq: Sequence) -> int:
+        return xxhash.xxh3_64_intdigest(token_bytes(seq.request.prompt_token_ids))

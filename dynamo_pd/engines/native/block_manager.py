@@ -51,7 +51,7 @@ class BlockManager:
 
     def prefix_hits(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Cached blocks holding the longest prefix of `seq`'s first `max_tokens` tokens."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return []
         hits = []
         for h in seq.full_block_hashes(max_tokens // self.block_size):
@@ -64,7 +64,7 @@ class BlockManager:
     def lower_hits(self, seq: Sequence, start: int, max_tokens: int) -> int:
         """How many of `seq`'s blocks from block `start` on (within its first `max_tokens` tokens) the lower
         tiers hold in a row (none of them in the pool)."""
-        if self.tiers is None:
+        if self.tiers is None or seq.scores_prompt:
             return 0
         count = 0
         for h in seq.full_block_hashes(max_tokens // self.block_size)[start:]:
@@ -105,6 +105,25 @@ class BlockManager:
         self._record_stored(seq, list(range(start, start + done)))
         seq.num_committed_blocks = start + done
         seq.num_computed_tokens = (start + done) * self.block_size
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """`child` (no blocks yet) shares `parent`'s computed full blocks, a reference on each, and their
+        prefix-cache state. A partial last block, which the child writes next, is copied on write: a new block
+        of the child's own, returned as (parent's block, child's block) for the caller to copy the KV of.
+        None: no free block for that copy."""
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and not self.free:
+            return None
+        for block in parent.block_table[:full]:
+            self.ref_counts[block] += 1
+        child.block_table = parent.block_table[:full]
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_committed_blocks = min(parent.num_committed_blocks, full)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if not partial:
+            return []
+        self._allocate(child, 1)
+        return [(parent.block_table[full], child.block_table[-1])]
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make `seq`'s block table cover `num_tokens`; False when the free list is too short."""

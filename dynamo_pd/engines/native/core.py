@@ -20,7 +20,7 @@ from dynamo_pd.engines.native.grammar import huggingface_grammars
 from dynamo_pd.engines.native.loader import load_weights
 from dynamo_pd.engines.native.model import LlamaModel
 from dynamo_pd.engines.native.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
-from dynamo_pd.engines.native.sampler import sample, skip_draw
+from dynamo_pd.engines.native.sampler import sample, score_prompt, skip_draw
 from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
 from dynamo_pd.engines.native.step_costs import FetchCostMeter, StepCostMeter, StepLoad
@@ -33,6 +33,7 @@ from dynamo_pd.protocol import (
     InvalidRequestError,
     PromptTooLongError,
     TokenLogprob,
+    Usage,
 )
 from router.load import FetchCosts, StepCosts
 
@@ -137,6 +138,11 @@ class EngineCore:
             if request.handoff is not None or request.first_token_id is not None:
                 raise InvalidRequestError("a resumed request is prefilled where it resumes, without a hand-off",
                                           "resume_token_ids")
+            if request.sampling.n > 1:
+                raise InvalidRequestError("a request with n > 1 choices does not resume", "n")
+        if request.fork_token_ids and len(request.fork_token_ids) != request.sampling.n - 1:
+            raise InvalidRequestError(f"fork_token_ids holds {len(request.fork_token_ids)} tokens for "
+                                      f"{request.sampling.n} choices", "fork_token_ids")
         handoff = request.handoff
         if self.role is EngineRole.DECODE and handoff is not None:  # without one, decode prefills locally
             if isinstance(handoff, EngineHandoff):
@@ -158,18 +164,11 @@ class EngineCore:
         rid = request.request_id
         if rid in self.seqs or rid in self.held:
             raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
-        seed = request.sampling.seed
-        seq = Sequence(
-            request=request,
-            block_size=self.block_manager.block_size,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stop.stop),
-            generator=None if seed is None else torch.Generator().manual_seed(seed),
-        )
+        seq = self._choice(request, 0, grammar)
+        seq.forks = [self._choice(request, i, grammar) for i in range(1, request.sampling.n)]
         seq.needs_load = self.role is EngineRole.DECODE and request.handoff is not None
-        seq.peer_load = peer_loads and request.kv_prefix is not None and request.handoff is None
-        guided = request.sampling.guided
-        if guided is not None:
-            seq.grammar = self.grammars.matcher(guided, grammar)
+        seq.peer_load = (peer_loads and request.kv_prefix is not None and request.handoff is None
+                         and not seq.scores_prompt)
         for token in request.resume_token_ids:  # sampled before a migration: as if sampled here
             if seq.grammar is not None and not seq.grammar.accept_token(token):
                 raise InvalidRequestError(f"resumed token {token} does not follow the request's grammar",
@@ -181,6 +180,22 @@ class EngineCore:
             seq.detokenizer.delta(finished=False)  # the text those tokens streamed, by the same holdback
         self.seqs[rid] = seq
         self.scheduler.add(seq)
+
+    def _choice(self, request: EngineRequest, index: int, grammar: CompiledGrammar | None) -> Sequence:
+        """Choice `index` of `request`: its own detokenizer, grammar matcher and generator (seed + index, as
+        vLLM seeds its n > 1 samples). The first is queued; the others wait to fork from it (FORK)."""
+        seed = request.sampling.seed
+        seq = Sequence(
+            request=request,
+            block_size=self.block_manager.block_size,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stop.stop),
+            generator=None if seed is None else torch.Generator().manual_seed(seed + index),
+            status=SequenceStatus.FORK if index else SequenceStatus.WAITING,
+            index=index,
+        )
+        if request.sampling.guided is not None:
+            seq.grammar = self.grammars.matcher(request.sampling.guided, grammar)
+        return seq
 
     # ---- the step
 
@@ -197,14 +212,17 @@ class EngineCore:
         if not batch:
             return []
         load = StepLoad.of(batch)
-        seqs, logits = self.runner.run(batch)
+        seqs, logits, prompt_scores = self.runner.run(batch)
         for seq, n in batch:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        for seq, rows in prompt_scores:
+            score_prompt(rows, seq)
+        seqs, logits = self._fork(seqs, logits)
         token_ids, logprobs = sample(logits, seqs, self.generator)
         outputs = []
         for seq, token, logprob in zip(seqs, token_ids, logprobs):
-            given = seq.request.first_token_id
+            given = seq.given_token
             if given is not None and not seq.output_token_ids:
                 # Prefilled here after a failed hand-off: the prefill side sampled (and streamed) the
                 # first token; the draw just made for it leaves the seeded generator where it would be.
@@ -213,6 +231,39 @@ class EngineCore:
                 outputs.append(self._append(seq, token, logprob))
         self.step_costs.observe(load, time.perf_counter() - started - onboard_s)  # the model's share of it
         return outputs
+
+    def _fork(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences to sample, each prompt that just ended followed by its other choices (n > 1), which
+        sample from its logits row."""
+        rows, joined = [], []
+        for row, seq in enumerate(seqs):
+            choices = self._with_forks(seq)
+            rows += [row] * len(choices)
+            joined += choices
+        if len(joined) == len(seqs):
+            return seqs, logits
+        return joined, logits[rows]
+
+    def _with_forks(self, seq: Sequence) -> list[Sequence]:
+        """`seq` and the choices forking from it now (its prompt's end), joined to it: each takes its
+        references on the shared blocks before any choice can end and free them."""
+        return [seq, *(fork for fork in seq.forks if fork.status is SequenceStatus.FORK and self._join(seq, fork))]
+
+    def _join(self, first: Sequence, fork: Sequence) -> bool:
+        """`fork` runs on from `first`'s prompt KV, its full blocks shared and its last partial one copied (a
+        PREFILL engine's choices only sample their first token: they need no blocks). False: no block for the
+        copy, so the fork waits to compute the prompt's last block itself."""
+        if self.role is not EngineRole.PREFILL:
+            copies = self.block_manager.fork(first, fork)
+            if copies is None:
+                self.scheduler.add(fork)
+                return False
+            for src, dst in copies:
+                self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        fork.num_computed_tokens = first.num_computed_tokens
+        fork.num_cached_tokens = first.num_cached_tokens
+        self.scheduler.join(fork)
+        return True
 
     def _onboarded(self) -> float:
         """Seconds this step's admissions spent copying blocks back from the tiers, each copy measured."""
@@ -236,32 +287,52 @@ class EngineCore:
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None, echo: bool = False) -> EngineOutput:
         out = seq.append(token, logprob, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                          prefill=self.role is EngineRole.PREFILL, echo=echo)
+        out.index = seq.index
+        scores = seq.prompt_logprobs
+        if scores is not None and not seq.index and len(seq.output_token_ids) == 1 and \
+                len(scores) == seq.num_prompt_tokens:  # computed here: with the request's first output
+            out.prompt_logprobs = scores
         if out.finish_reason is not None:
             self._finish(seq, out)
         return out
 
     def _finish(self, seq: Sequence, out: EngineOutput) -> None:
+        """A choice ends (HELD: its decode goes on elsewhere). The request ends with its last choice, whose
+        output carries the usage of all; a PREFILL request's blocks (its first choice's) wait for that end, to
+        be held for the decode side when any choice goes on there."""
         self.scheduler.remove(seq)
-        del self.seqs[seq.request_id]
         self.step_costs.finished(len(seq.output_token_ids))
-        out.usage = seq.usage()
-        if out.finish_reason == "prefill_done":
-            seq.status = SequenceStatus.HELD
-            self.held[seq.request_id] = (seq, time.monotonic() + self.config.handoff.engine_lease_s)
-            out.handoff = HeldKV(request_id=seq.request_id, block_ids=list(seq.block_table),
-                                 num_tokens=seq.num_prompt_tokens)
+        seq.status = SequenceStatus.HELD if out.finish_reason == "prefill_done" else SequenceStatus.FINISHED
+        if self.role is not EngineRole.PREFILL:
+            self.block_manager.release(seq)  # a fork keeps its own references on the blocks they share
+        first = self.seqs[seq.request_id]
+        choices = [first, *first.forks]
+        out.choices_left = sum(c.status not in (SequenceStatus.FINISHED, SequenceStatus.HELD) for c in choices)
+        if out.choices_left:
+            return
+        del self.seqs[seq.request_id]
+        out.usage = Usage(prompt_tokens=first.num_prompt_tokens, cached_tokens=first.num_cached_tokens or 0,
+                          completion_tokens=sum(len(c.output_token_ids) for c in choices))
+        if self.role is not EngineRole.PREFILL:
+            return
+        if any(c.status is SequenceStatus.HELD for c in choices):
+            self.held[seq.request_id] = (first, time.monotonic() + self.config.handoff.engine_lease_s)
+            out.handoff = HeldKV(request_id=seq.request_id, block_ids=list(first.block_table),
+                                 num_tokens=first.num_prompt_tokens)
         else:
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.release(seq)
+            self.block_manager.release(first)
 
     def end_request(self, request_id: str, reason: str, error: str | None = None) -> EngineOutput | None:
-        """Abort (reason "abort") or fail (reason "error") an active request, freeing its blocks."""
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        """Abort (reason "abort") or fail (reason "error") an active request, every choice of it, freeing
+        its blocks; its last output."""
+        first, out = self.seqs.get(request_id), None
+        if first is None:
             return None
-        out = EngineOutput(request_id=request_id, token_ids=[], text=seq.detokenizer.delta(finished=True),
-                           finish_reason=reason, error=error)
-        self._finish(seq, out)
+        for seq in [first, *first.forks]:
+            if seq.status not in (SequenceStatus.FINISHED, SequenceStatus.HELD):
+                out = EngineOutput(request_id=request_id, token_ids=[], text=seq.detokenizer.delta(finished=True),
+                                   finish_reason=reason, error=error, index=seq.index)
+                self._finish(seq, out)
         return out
 
     def fail_all(self, error: str) -> list[EngineOutput]:
@@ -274,18 +345,29 @@ class EngineCore:
         loads, self.scheduler.new_loads = self.scheduler.new_loads, []
         return loads
 
-    def finish_load(self, request_id: str, first_token_id: int | None = None) -> EngineOutput | None:
-        """The kv_loader filled the blocks: decode starts from the first token the prefill side sampled
-        (the one that came with the KV, else the request's), echoed with the text it did not stream."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.LOADING:
-            return None
-        token = seq.request.first_token_id if first_token_id is None else first_token_id
-        if token is None or not 0 <= token < self.model_config.vocab_size:
-            return self.end_request(request_id, "error", f"hand-off of {request_id!r} gave no valid first token")
-        self.scheduler.loaded(seq)
-        skip_draw(seq)
-        return self._append(seq, token, None, echo=True)
+    def finish_load(self, request_id: str, first_token_ids: list[int] | None = None) -> list[EngineOutput]:
+        """The kv_loader filled the blocks: decode starts from the first tokens the prefill side sampled, one
+        per choice (those that came with the KV, else the request's), the other choices forked here (n > 1),
+        each echoing its token with the text it did not stream."""
+        first = self.seqs.get(request_id)
+        if first is None or first.status is not SequenceStatus.LOADING:
+            return []
+        choices = [first, *first.forks]
+        if first_token_ids is not None and len(first_token_ids) == len(choices):
+            for choice, token in zip(choices, first_token_ids):
+                choice.given_token = token
+        vocab = self.model_config.vocab_size
+        if (first_token_ids is not None and len(first_token_ids) != len(choices)) or \
+                any(c.given_token is None or not 0 <= c.given_token < vocab for c in choices):
+            return [self.end_request(request_id, "error", f"hand-off of {request_id!r} gave no valid first token "
+                                                          f"for each of its {len(choices)} choices")]
+        self.scheduler.loaded(first)
+        echoing = self._with_forks(first)
+        outputs = []
+        for choice in echoing:
+            skip_draw(choice)
+            outputs.append(self._append(choice, choice.given_token, None, echo=True))
+        return outputs
 
     def finish_prefix_load(self, request_id: str, num_blocks: int) -> None:
         """The peer's read of a request's prefix ended: its first `num_blocks` blocks are in place (as many

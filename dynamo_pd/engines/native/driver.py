@@ -58,6 +58,7 @@ class CoreDriver(Engine):
     resumes = True  # EngineCore.add_request continues resume_token_ids
     project_hashes = True  # the block manager names blocks by router.hashing (sequence.full_block_hashes)
     guided_kinds = KINDS  # the sampler applies every kind's grammar (native/grammar.py)
+    forks = logit_bias = prompt_logprobs = True  # the core forks choices; its sampler biases and scores prompts
     peer_prefixes = True  # lends cached prefixes to peers (pin_prefix) and reads theirs (prefix_loader)
 
     def __init__(self, config: EngineConfig, kv_loader: KVLoader | None):
@@ -150,7 +151,7 @@ class CoreDriver(Engine):
                     if not aborted:
                         await (self._load_prefix if item.prefix else self._load)(request, item)
                     continue
-                done = item.finish_reason is not None
+                done = item.ends
                 yield item
                 if done:
                     return
@@ -161,7 +162,7 @@ class CoreDriver(Engine):
     async def _load(self, request: EngineRequest, order: LoadOrder) -> None:
         rid = request.request_id
         try:
-            first_token_id = await asyncio.wait_for(
+            first_token_ids = await asyncio.wait_for(
                 self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
                 timeout=self.config.handoff.load_timeout_s(request.handoff))
             await self._after_load(request, order)
@@ -169,7 +170,7 @@ class CoreDriver(Engine):
             message = f"KV load for {rid!r} failed: {exc!r}"
             self._do(lambda: self._end_request(rid, "error", message))
             return
-        self._do(lambda: self._emit(self._core.finish_load(rid, first_token_id)))
+        self._do(lambda: self._emit_all(self._core.finish_load(rid, first_token_ids)))
 
     async def _load_prefix(self, request: EngineRequest, order: LoadOrder) -> None:
         """Read the prefix a peer holds; whatever of it did not arrive is computed (never an error)."""
@@ -209,9 +210,13 @@ class CoreDriver(Engine):
     def _emit(self, out: EngineOutput | None) -> None:
         if out is None:
             return
-        deliver = self._sinks.pop(out.request_id) if out.finish_reason else self._sinks.get(out.request_id)
+        deliver = self._sinks.pop(out.request_id) if out.ends else self._sinks.get(out.request_id)
         if deliver is not None:
             deliver(out)
+
+    def _emit_all(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            self._emit(out)
 
     def _end_request(self, rid: str, reason: str, error: str | None = None) -> None:
         self._emit(self._core.end_request(rid, reason, error))
@@ -250,8 +255,7 @@ class CoreDriver(Engine):
         """After a step: its outputs to their requests, then load orders to newly admitted DECODE ones."""
         core = self._core
         self.stats = core.stats()  # before delivery: a caller seeing an output sees stats after it
-        for out in outputs:
-            self._emit(out)
+        self._emit_all(outputs)
         for seq in core.take_new_loads():
             if seq.peer_load:  # what it has (hits, tier copies) is computed already
                 cached_blocks = seq.num_computed_tokens // core.block_manager.block_size

@@ -10,6 +10,8 @@ from dynamo_pd.engines.native.scheduler import ScheduledBatch
 from dynamo_pd.engines.native.sequence import Sequence
 from kv_transfer.memory import kv_zeros
 
+PromptScores = list[tuple[Sequence, torch.Tensor]]  # a sequence's logits scoring its next prompt tokens
+
 
 def allocate_kv_cache(model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
@@ -36,8 +38,9 @@ class ModelRunner:
     def _tensor(self, data: list) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Compute the batch; return the sequences that reach their last token and their logits."""
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor, PromptScores]:
+        """Compute the batch; return the sequences that reach their last token and their logits, and the
+        logits that score the prompt tokens of sequences asking their logprobs (Sequence.scores_prompt)."""
         bs = self.block_size
         decodes = [seq for seq, n in batch if n == 1]
         # shortest context first: attention.py gives the short chunks' rows to the C kernel, in one call
@@ -47,12 +50,20 @@ class ModelRunner:
         slots: list[int] = []
         rows_to_sample: list[int] = []
         seqs_to_sample: list[Sequence] = []
+        scored: list[tuple[Sequence, int, int]] = []  # (sequence, its first row scoring a prompt token, rows)
+
+        def score(seq: Sequence, row: int, start: int, end: int) -> None:
+            # position p's logits score prompt token p + 1: those of the chunk not scored yet
+            last = min(end, seq.num_prompt_tokens - 1)
+            if seq.scores_prompt and len(seq.prompt_logprobs) == start + 1 and last > start:
+                scored.append((seq, row, last - start))
 
         for row, seq in enumerate(decodes):
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            score(seq, row, pos, pos + 1)
             if pos + 1 == len(seq.token_ids):
                 rows_to_sample.append(row)
                 seqs_to_sample.append(seq)
@@ -70,6 +81,7 @@ class ModelRunner:
             row_seqs.extend([len(tables)] * n)
             tables.append(table[: -(-end // bs)])
             prefills.append(PrefillChunk(start=row, end=row + n, context_len=end))
+            score(seq, row, start, end)
             if end == len(seq.token_ids):
                 rows_to_sample.append(row + n - 1)
                 seqs_to_sample.append(seq)
@@ -86,7 +98,10 @@ class ModelRunner:
             decode_width=max((len(seq.block_table) for seq in decodes), default=0),
             prefills=prefills,
         )
+        prompt_rows = [r for _, first, count in scored for r in range(first, first + count)]
         logits = self.model.forward(
-            self._tensor(input_ids), positions_t, attn, self.kv_cache, self._tensor(rows_to_sample)
+            self._tensor(input_ids), positions_t, attn, self.kv_cache, self._tensor(rows_to_sample + prompt_rows)
         )
-        return seqs_to_sample, logits
+        sampled, rest = logits[:len(rows_to_sample)], logits[len(rows_to_sample):]
+        return seqs_to_sample, sampled, [(seq, part) for (seq, _, _), part in
+                                         zip(scored, rest.split([count for *_, count in scored]))]

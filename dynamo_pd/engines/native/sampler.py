@@ -1,9 +1,11 @@
-"""Next-token choice for a batch: penalties, greedy or temperature / top-k / top-p sampling, logprobs.
+"""Next-token choice for a batch: logit bias, penalties, greedy or temperature / top-k / top-p sampling,
+logprobs; and the logprobs of prompt tokens (SamplingParams.prompt_logprobs).
 
 Random rows draw one uniform number each from their own generator (a request's seed, or the
-engine's), then pick by inverse CDF, so a seeded request samples the same tokens whatever
-else shares its batch. Rows under a grammar (structured output) first lose every token it does not
-allow next (grammar.py); the logprobs reported stay the model's own.
+engine's; choice i of a seeded request with n > 1 its seed + i), then pick by inverse CDF, so a seeded
+request samples the same tokens whatever else shares its batch. Rows under a grammar (structured output)
+first lose every token it does not allow next (grammar.py); a logit bias is added before the penalties (as
+vLLM orders them); the logprobs reported stay the model's own.
 """
 
 from __future__ import annotations
@@ -31,6 +33,32 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+LOGIT_BOUND = 1e30  # divided by the smallest sampled temperature (protocol.GREEDY_BELOW) it stays finite
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: each row's SamplingParams.logit_bias added to its tokens' logits."""
+    for row, seq in enumerate(seqs):
+        bias = seq.request.sampling.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+
+
+def score_prompt(logits: torch.Tensor, seq: Sequence) -> None:
+    """Append to seq.prompt_logprobs the logprobs of its next len(logits) prompt tokens, each row the model's
+    logits at the position before its token, with the top SamplingParams.prompt_logprobs alternatives."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    start = len(seq.prompt_logprobs)
+    tokens = seq.token_ids[start:start + len(logprobs)]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = seq.request.sampling.prompt_logprobs
+    top = logprobs.topk(k) if k else None
+    for i, token in enumerate(tokens):
+        alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
+        seq.prompt_logprobs.append(TokenLogprob(token_id=token, logprob=chosen[i], top=alternatives))
+
+
 def _filter_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (with -inf) what top-k and top-p drop, on logits sorted in descending order."""
     ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)
@@ -55,11 +83,15 @@ def sample(
     raw_logprobs = None
     if any(seq.request.sampling.logprobs is not None for seq in seqs):
         raw_logprobs = logits.log_softmax(dim=-1)  # reported logprobs: the model's own distribution
-    apply_bitmask(logits, [seq.grammar for seq in seqs])  # in place: the caller's logits are this step's own
     params = [seq.request.sampling for seq in seqs]
-    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-        logits = logits.clone()
+    if any(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        logits = logits.clone()  # an inference tensor: no other in-place update
+        apply_logit_bias(logits, seqs)
         apply_penalties(logits, seqs)
+        # an extreme repetition_penalty overflows a logit to -inf (or inf): finite again, so a grammar's allowed
+        # tokens never all fall to -inf beside the ones it masks, and softmax has no inf - inf
+        logits.clamp_(-LOGIT_BOUND, LOGIT_BOUND)
+    apply_bitmask(logits, [seq.grammar for seq in seqs])  # in place: the caller's logits are this step's own
 
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -140,6 +140,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def join(self, choice: Sequence) -> None:
+        """A choice forked at its prompt's end (its blocks shared, EngineCore._fork) runs beside the first."""
+        choice.status = SequenceStatus.RUNNING
+        self.running.append(choice)
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.release(seq)
         seq.num_computed_tokens = 0

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for blocks (new, or preempted and recomputing)
     LOADING = "loading"  # DECODE role: blocks reserved, prompt KV arriving through the kv_loader
+    FORK = "fork"  # n > 1: a choice waiting for its prompt's end, where it joins the first (EngineCore._fork)
     RUNNING = "running"
     HELD = "held"  # PREFILL role: finished, prompt blocks held for the decode side
     FINISHED = "finished"
@@ -41,10 +42,28 @@ class Sequence:
     needs_load: bool = False  # DECODE role: the prompt's KV comes from elsewhere
     peer_load: bool = False  # a peer holds a prefix of it (request.kv_prefix): read before computing the rest
     grammar: GrammarMatcher | None = None  # structured output: what the grammar allows next (grammar.py)
+    index: int = 0  # the choice (SamplingParams.n > 1)
+    given_token: int | None = None  # its first token, sampled (and streamed) by a prefill worker: echoed here
+    forks: list[Sequence] = field(default_factory=list)  # the first choice's: the other n - 1, made with it
+    # SamplingParams.prompt_logprobs: one per prompt token computed so far (the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        if self.request.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        given = [self.request.first_token_id, *self.request.fork_token_ids]
+        if self.index < len(given):
+            self.given_token = given[self.index]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked for and not all computed here yet: its prompt is computed, never
+        read from the prefix cache, the tiers or a peer (a DECODE load computes none: the prefill sent them)."""
+        return (self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+                and not self.needs_load)
+
 
     @property
     def request_id(self) -> str:

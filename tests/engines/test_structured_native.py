@@ -188,3 +188,16 @@ def test_the_mocker_emits_schema_valid_json_and_hands_it_off_unchanged():
         jsonschema.validate(json.loads(expected["text"]), schema)
         for how in ("pull", "push"):
             assert summary(disaggregated(mockers, request, how)) == expected, how
+
+
+def test_an_overflowing_repetition_penalty_still_picks_a_token_the_grammar_allows(tokenizer, grammars, vocab):
+    """Every allowed token seen and its logit negative: a huge repetition_penalty sends them to -inf beside the
+    masked ones, and an all -inf row picked token 0 (greedy) or garbage (NaN, sampled): schemathesis found it."""
+    allowed = sorted(choice_starts(tokenizer, vocab))
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        logits = torch.randn(1, vocab.vocab_size, generator=torch.Generator().manual_seed(0))
+        logits[0, allowed] = -1.0
+        seq = seq_under(tokenizer, grammars, CHOICE, repetition_penalty=1e300, **sampling)
+        seq.token_ids += allowed
+        tokens, _ = sample(logits, [seq], torch.Generator().manual_seed(1))
+        assert tokens[0] in allowed, sampling
