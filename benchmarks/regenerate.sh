@@ -9,6 +9,9 @@ py=${PYTHON:-.venv/bin/python}
 out=benchmarks/results
 all=(footprint engine_throughput structured_throughput transfer router_bench agg_vs_disagg_mocker
      agg_vs_disagg_native router_policies_mocker router_policies_native)
+# NVIDIA Dynamo 1.6.1 beside it (pip install ai-dynamo-runtime==1.6.1 into .venv-dynamo): router_bench adds its
+# Rust RadixTree to the table when it can import it
+dynamo_site=$(ls -d .venv-dynamo/lib/python3*/site-packages 2>/dev/null | head -1 || true)
 mkdir -p "$out"
 for name in "${@:-${all[@]}}"; do
   echo "== $name ($(date -u +%H:%M:%S))" >&2
@@ -18,7 +21,7 @@ for name in "${@:-${all[@]}}"; do
                          > "$out/engine_throughput.md" ;;
     structured_throughput) $py benchmarks/structured_throughput.py --threads 2 > "$out/structured_throughput.md" ;;
     transfer) $py benchmarks/transfer_bench.py > "$out/transfer.md" ;;
-    router_bench) $py benchmarks/router_bench.py > "$out/router_bench.md" ;;
+    router_bench) PYTHONPATH="$dynamo_site" $py benchmarks/router_bench.py > "$out/router_bench.md" ;;
     agg_vs_disagg_mocker) $py -m benchmarks.agg_vs_disagg --engine mocker --out "$out/$name" ;;
     agg_vs_disagg_native) $py -m benchmarks.agg_vs_disagg --engine native --quick --out "$out/$name" ;;
     router_policies_mocker) $py -m benchmarks.router_policies --engine mocker --quick --out "$out/$name" ;;
