@@ -22,7 +22,7 @@ import asyncio
 import ctypes
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +130,7 @@ class LlamaCppEngine(Engine):
         vocab = C.llama_model_get_vocab(llm.model)
         self._eog = frozenset(t for t in range(llm.n_vocab()) if C.llama_vocab_is_eog(vocab, t))
         self._vocab = _Vocab(llm)
-        self.grammars = Grammars(self._tokenizer_info)
+        self.grammars = Grammars(_tokenizer_info(llm, self._eog))
         if self.role is EngineRole.AGGREGATED:
             self.pool = BlobPool(1, 2)  # nothing to stage; the worker's agent still wants a cache to wrap
             return
@@ -139,20 +139,6 @@ class LlamaCppEngine(Engine):
         self._forget()
         block_bytes += block_bytes % 2
         self.pool = BlobPool(max(1, int(cfg.kv_cache_memory_gb * 2**30) // block_bytes), block_bytes)
-
-    def _tokenizer_info(self) -> xgrammar.TokenizerInfo:
-        """The GGUF's vocabulary as xgrammar reads a tokenizer: each token's text in the vocabulary's own
-        encoding, control tokens empty (so no grammar allows them), the end-of-generation ids as its stops."""
-        import xgrammar as xgr
-
-        vocab, n = C.llama_model_get_vocab(self._llm.model), self._llm.n_vocab()
-        encoding = {C.LLAMA_VOCAB_TYPE_BPE: xgr.VocabType.BYTE_LEVEL,
-                    C.LLAMA_VOCAB_TYPE_SPM: xgr.VocabType.BYTE_FALLBACK}.get(C.llama_vocab_type(vocab),
-                                                                               xgr.VocabType.RAW)
-        texts = [b"" if C.llama_vocab_is_control(vocab, t) else C.llama_vocab_get_text(vocab, t)
-                 for t in range(n)]
-        return xgr.TokenizerInfo([t.decode("utf-8", errors="replace") for t in texts], encoding, vocab_size=n,
-                                 stop_token_ids=sorted(self._eog))
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -339,3 +325,23 @@ class LlamaCppEngine(Engine):
         self.stats = LlamaCppStats(num_running=int(busy), num_waiting=self._waiting,
                                    num_free_blocks=total if not busy else total - self._llm.n_tokens // bs,
                                    num_total_blocks=total)
+
+
+def _tokenizer_info(llm: Llama, eog: frozenset[int]) -> Callable[[], xgrammar.TokenizerInfo]:
+    """The GGUF's vocabulary as xgrammar reads a tokenizer: each token's text in the vocabulary's own
+    encoding, control tokens empty (so no grammar allows them), the end-of-generation ids as its stops. The
+    texts are read here, on the loading thread: the tables are built later on a thread of their own, which
+    must not touch the model (an engine stopped meanwhile has freed it; reading it then aborted the process)."""
+    vocab, n = C.llama_model_get_vocab(llm.model), llm.n_vocab()
+    kind = C.llama_vocab_type(vocab)
+    texts = [b"" if C.llama_vocab_is_control(vocab, t) else C.llama_vocab_get_text(vocab, t) for t in range(n)]
+
+    def build() -> xgrammar.TokenizerInfo:
+        import xgrammar as xgr
+
+        encoding = {C.LLAMA_VOCAB_TYPE_BPE: xgr.VocabType.BYTE_LEVEL,
+                    C.LLAMA_VOCAB_TYPE_SPM: xgr.VocabType.BYTE_FALLBACK}.get(kind, xgr.VocabType.RAW)
+        return xgr.TokenizerInfo([t.decode("utf-8", errors="replace") for t in texts], encoding, vocab_size=n,
+                                 stop_token_ids=sorted(eog))
+
+    return build
