@@ -146,14 +146,19 @@ def shutdown() -> None:
 
 def request_span(headers: Mapping[str, str], attributes: Mapping[str, Any] | None = None) -> Any:
     """The frontend's span of one HTTP request: a child of the client's `traceparent` when it sent one,
-    else a new trace, sampled at the ratio. NOOP when off or not sampled."""
+    else a new trace, sampled at the ratio, with the client's X-Request-ID (OpenTelemetry's
+    `http.request.header.<name>`) when it sent one. NOOP when off or not sampled."""
     if _tracer is None:
         return NOOP
     from opentelemetry.trace import SpanKind
 
     parent = _w3c.extract(headers) if "traceparent" in headers else None
     span = _tracer.start_span("request", parent, SpanKind.SERVER, attributes)
-    return span if span.is_recording() else NOOP
+    if not span.is_recording():
+        return NOOP
+    if (client_id := headers.get("x-request-id")) is not None:  # the client's own id finds its trace
+        span.set_attribute("http.request.header.x-request-id", [client_id])
+    return span
 
 
 def start(name: str, parent: Any, attributes: Mapping[str, Any] | None = None,

@@ -214,7 +214,7 @@ async def test_every_request_is_one_connected_trace_through_a_migration(fast_exp
                 loop = asyncio.get_running_loop()
                 placed = [loop.create_future() for _ in range(3)]
                 resume = asyncio.Event()
-                headers = [{"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}, {}, {}]
+                headers = [{"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}, {"x-request-id": "client-7"}, {}]
                 tasks = [asyncio.create_task(stream(client, h, p, resume)) for h, p in zip(headers, placed)]
                 workers = await asyncio.wait_for(asyncio.gather(*placed), 60)  # every stream is 3 chunks in
                 victim = workers[0]
@@ -227,6 +227,10 @@ async def test_every_request_is_one_connected_trace_through_a_migration(fast_exp
     assert len({s.trace_id for s in spans if s.name == "request"}) == 4  # the warm-up's, and one each
     for i, (result, worker) in enumerate(zip(results, workers)):
         check_trace(spans, result, victim if worker == victim else None, i == 0, handoff)
+    # the client's X-Request-ID finds its request's trace
+    tagged = [s for s in by_name(spans, "request") if "http.request.header.x-request-id" in s.attributes]
+    assert [(s.attributes["http.request.header.x-request-id"], s.attributes["dynamo_pd.request_id"])
+            for s in tagged] == [(["client-7"], results[1]["id"])]
 
 
 # ---- off, flags and the one-line errors
