@@ -71,6 +71,8 @@ class Record:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    request_id: str = ""  # the X-Request-ID aiperf sent with it
+    connect_ms: float = 0.0  # opening its connection (0 on a reused one): before the server saw the request
 
 
 @dataclass
@@ -155,7 +157,9 @@ def parse_records(path: Path, speedup: float = 1.0) -> list[Record]:
             output_tokens=int(_value(m, "output_sequence_length", 0)),
             prompt_tokens=int(_value(m, "input_sequence_length", 0)),
             cached_tokens=int(_value(m, "usage_prompt_cache_read_tokens", 0)),
-            error=None if error is None else str(error.get("message") or error)))
+            error=None if error is None else str(error.get("message") or error),
+            request_id=meta.get("x_request_id") or "",
+            connect_ms=scaled("http_req_connection_overhead") or 0.0))
     return records
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import aiperf_run
-from benchmarks.aiperf_run import Slo, Workload
+from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.provenance import Provenance, collect
 from benchmarks.report import Summary, progress_line, summarize
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
@@ -50,6 +50,7 @@ class Session:
     summaries: list[Summary] = field(default_factory=list)
     provenance: Provenance = field(init=False)  # collected as the session starts
     ttfts: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    records: dict[tuple[str, str], list[Record]] = field(default_factory=dict)  # each run's requests
 
     def __post_init__(self) -> None:
         self.provenance = collect(f"python -m benchmarks.{self.command}", self.argv)
@@ -72,5 +73,6 @@ class Session:
         self.done += 1
         self.summaries.append(summary)
         self.ttfts[(config, group)] = sorted(r.ttft_ms for r in result.records if r.ttft_ms is not None)
+        self.records[(config, group)] = result.records
         print(progress_line(self.done, self.runs, summary, time.monotonic() - started), flush=True)
         return summary

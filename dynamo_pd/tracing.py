@@ -144,16 +144,18 @@ def shutdown() -> None:
     _tracer, _provider, _config = None, None, TracingConfig()
 
 
-def request_span(headers: Mapping[str, str], attributes: Mapping[str, Any] | None = None) -> Any:
+def request_span(headers: Mapping[str, str], attributes: Mapping[str, Any] | None = None,
+                 start_ns: int | None = None) -> Any:
     """The frontend's span of one HTTP request: a child of the client's `traceparent` when it sent one,
     else a new trace, sampled at the ratio, with the client's X-Request-ID (OpenTelemetry's
-    `http.request.header.<name>`) when it sent one. NOOP when off or not sampled."""
+    `http.request.header.<name>`) when it sent one; it starts at `start_ns` (the request's arrival) when
+    given. NOOP when off or not sampled."""
     if _tracer is None:
         return NOOP
     from opentelemetry.trace import SpanKind
 
     parent = _w3c.extract(headers) if "traceparent" in headers else None
-    span = _tracer.start_span("request", parent, SpanKind.SERVER, attributes)
+    span = _tracer.start_span("request", parent, SpanKind.SERVER, attributes, start_time=start_ns)
     if not span.is_recording():
         return NOOP
     if (client_id := headers.get("x-request-id")) is not None:  # the client's own id finds its trace

@@ -190,6 +190,8 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # the request's arrival (its headers read, not its body), where its trace starts
+        scope.setdefault("state", {})["arrival_ns"] = time.time_ns()
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in _OPEN_ROUTES and \
                 not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
@@ -314,7 +316,8 @@ def create_app(models: Models | Backend, config: FrontendConfig, metrics: Metric
         # the trace's root (or the client's traceparent's child); NOOP when tracing is off or not sampled
         span = tracing.request_span(http.headers, {"dynamo_pd.request_id": rid, "dynamo_pd.kind": kind,
                                                    "dynamo_pd.model": body.model,
-                                                   "dynamo_pd.stream": bool(body.stream)})
+                                                   "dynamo_pd.stream": bool(body.stream)},
+                                    http.scope.get("state", {}).get("arrival_ns"))
         admission = tracing.start("admission", tracing.under(span))
         key = client_key(http.headers, http.client.host if http.client else "")
         gone = asyncio.ensure_future(_wait_disconnect(http))  # watched from the request's arrival on
@@ -470,9 +473,11 @@ def _end_span(span: Any, status: str) -> None:
 async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics, span: Any = tracing.NOOP,
                  ) -> AsyncIterator[EngineOutput]:
     """Record TTFT, ITL and usage, and count the request in flight while it is; the TTFT is a span of the
-    request's trace too (first_token, stamped when the frontend has the token)."""
+    request's trace too (first_token: from the frontend having the token until the response took it, a
+    streamed chunk sent, as the client's TTFT ends)."""
     start = last = time.perf_counter()
     first = True
+    delivering = tracing.NOOP  # the first token's span, open until the consumer asks for the next output
     metrics.inflight.inc()
     metrics.queued.inc()
     try:
@@ -483,9 +488,8 @@ async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics, span: An
                     metrics.ttft.observe(now - start)
                     metrics.queued.dec()
                     first = False
-                    if span is not tracing.NOOP:
-                        tracing.end(tracing.start("first_token", tracing.under(span), {
-                            "dynamo_pd.ttft_s": now - start, "dynamo_pd.tokens": len(out.token_ids)}))
+                    delivering = tracing.start("first_token", tracing.under(span), {
+                        "dynamo_pd.ttft_s": now - start, "dynamo_pd.tokens": len(out.token_ids)})
                 else:
                     metrics.itl.observe((now - last) / len(out.token_ids))
                 last = now
@@ -494,7 +498,11 @@ async def _timed(stream: AsyncIterator[EngineOutput], metrics: Metrics, span: An
             if out.finish_reason == "error":
                 raise RuntimeError(out.error or "generation failed")
             yield out
+            if delivering is not tracing.NOOP:
+                tracing.end(delivering)
+                delivering = tracing.NOOP
     finally:
+        tracing.end(delivering)
         if first:
             metrics.queued.dec()
         metrics.inflight.dec()
