@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 out=benchmarks/results
 all=(footprint engine_throughput structured_throughput transfer router_bench agg_vs_disagg_mocker
-     agg_vs_disagg_native router_policies_mocker router_policies_native tracing_overhead)
+     agg_vs_disagg_native router_policies_mocker router_policies_native tracing_overhead
+     planner_quick)
 # NVIDIA Dynamo 1.6.1 beside it (pip install ai-dynamo-runtime==1.6.1 into .venv-dynamo): router_bench adds its
 # Rust RadixTree to the table when it can import it
 dynamo_site=$(ls -d .venv-dynamo/lib/python3*/site-packages 2>/dev/null | head -1 || true)
@@ -26,6 +27,7 @@ for name in "${@:-${all[@]}}"; do
     agg_vs_disagg_native) $py -m benchmarks.agg_vs_disagg --engine native --quick --out "$out/$name" ;;
     router_policies_mocker) $py -m benchmarks.router_policies --engine mocker --quick --out "$out/$name" ;;
     router_policies_native) $py -m benchmarks.router_policies --engine native --quick --out "$out/$name" ;;
+    planner_quick) $py -m benchmarks.planner --quick --workloads sinusoid --out "$out/$name" ;;
     tracing_overhead) $py -m benchmarks.tracing_overhead --out "$out/$name" ;;
     *) echo "error: unknown result '$name' (one of: ${all[*]})" >&2; exit 2 ;;
   esac

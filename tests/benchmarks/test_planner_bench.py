@@ -1,0 +1,73 @@
+"""benchmarks/planner.py's own arithmetic: the sinusoid's arrivals, the trace file it replays, what it reads
+of the planner's intervals, and its flags. The planner itself runs end to end in tests/planner/test_e2e.py."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from benchmarks.aiperf_run import Record, Slo
+from benchmarks.planner import intervals, parse_args, prediction_md, sinusoid_file, sinusoid_times
+
+
+def test_sinusoid_arrivals_follow_the_rate_from_low_to_high_and_back():
+    times = sinusoid_times(low=2.0, high=20.0, period_s=100.0, periods=4, seed=0)
+    assert times == sorted(times) and 0 <= times[0] and times[-1] < 400
+    # the expected count is the rate's integral: the mean rate (11 req/s) over 400 s
+    assert len(times) == pytest.approx(11 * 400, rel=0.05)
+    phase = np.array(times) % 100.0
+    trough = np.sum((phase < 10) | (phase >= 90))  # around t = 0 mod 100: the rate near its low
+    peak = np.sum((phase >= 40) & (phase < 60))  # around t = 50: near its high
+    assert peak > 5 * trough, (peak, trough)
+    assert sinusoid_times(2.0, 20.0, 100.0, 4, seed=0) == times  # one seed, one schedule
+
+
+def test_the_trace_file_gives_every_prompt_its_own_first_block_in_real_milliseconds(tmp_path):
+    args = SimpleNamespace(isl=1100, osl=50, low=1.0, high=8.0, period_s=20.0, periods=1, seed=3)
+    path, n = sinusoid_file(tmp_path, args, speedup=0.5)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == n > 0
+    assert all(r["input_length"] == 1100 and r["output_length"] == 50 for r in rows)
+    assert all(len(r["hash_ids"]) == math.ceil(1100 / 512) for r in rows)
+    assert len({r["hash_ids"][0] for r in rows}) == n  # no two prompts share a cached prefix
+    simulated = sinusoid_times(1.0, 8.0, 20.0, 1, 3)
+    assert [r["timestamp"] for r in rows] == [round(t * 1e3 / 0.5) for t in simulated]  # half speed: twice as long
+
+
+def _record(start_s: float, ttft_ms: float, itl_ms: float = 5.0, error: str | None = None) -> Record:
+    return Record(start_ns=int(start_s * 1e9), latency_ms=ttft_ms + 100 * itl_ms, ttft_ms=ttft_ms, itl_ms=itl_ms,
+                  error=error)
+
+
+def test_each_interval_compares_its_prediction_with_the_requests_arriving_until_the_next_decision():
+    decisions = [{"time": t, "pool": pool, "target": target, "prediction": prediction}
+                 for t, pool, target, prediction in [
+                     (100.0, "prefill", 1, {"ttft_p50_s": 0.2}), (100.0, "decode", 2, None),
+                     (110.0, "prefill", 2, {"ttft_p50_s": 0.4}), (120.0, "prefill", 2, None)]]
+    records = [_record(101, 100), _record(102, 300), _record(105, 200), _record(111, 500),
+               _record(112, 9999, error="boom"), _record(121, 50)]
+    rows = intervals(decisions, records, speedup=0.5, slo=Slo(ttft_ms=250, itl_ms=8))
+    assert [(r["requests"], r["target"], r["measured_ttft_p50_ms"], r["good"]) for r in rows] == [
+        (3, 1, 200.0, 2), (1, 2, 500.0, 0)]
+    # predicted seconds of real time, reported in simulated ms (x speedup)
+    assert [r["predicted_ttft_ms"] for r in rows] == [100.0, 200.0]
+
+
+def test_prediction_accuracy_skips_the_warm_up_and_thin_intervals():
+    rows = [{"predicted_ttft_ms": p, "measured_ttft_p50_ms": m, "requests": n}
+            for p, m, n in [(1, 100, 9), (1, 100, 9),  # the warm-up: not judged
+                            (110, 100, 9), (60, 100, 9), (100, 100, 2), (None, 100, 9)]]
+    text, within = prediction_md(rows)
+    assert within == 0.5 and "2 intervals" in text and "-40%" in text
+    assert prediction_md(rows[:2]) == ("no interval after the warm-up had both a prediction and 5 requests", None)
+
+
+@pytest.mark.parametrize("argv, message", [(["--workloads", "sine"], "--workloads: unknown sine"),
+                                           (["--low", "5", "--high", "2"], "need 0 < --low < --high"),
+                                           (["--engine", "native"], "runs mocker workers")])
+def test_bad_flags_are_one_line_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
