@@ -26,9 +26,11 @@ def _bounded(body: dict) -> None:
     """What the schema cannot know, set so a valid case reaches the engine and fits: the served model, a short
     output, token ids inside the vocabulary, short texts."""
     body["model"] = MODEL
+    # JSON Schema's integer takes 5329.0 as well: floats are bounded too (seed 1930551246 sent one)
+    number = lambda key: isinstance(body.get(key), (int, float)) and not isinstance(body[key], bool)  # noqa: E731
     for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int):
-            body[key] = min(body[key], 2)
+        if number(key):
+            body[key] = min(int(body[key]), 2)
     # what depends on the model or on other fields: its FIM tokens (suffix), its vocabulary (logit_bias), specs
     # that must compile (structured output, a forced tool call), best_of >= n, nothing scored while streaming
     for key in ("suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
@@ -40,10 +42,10 @@ def _bounded(body: dict) -> None:
         body.pop("tool_choice")
     if isinstance(body.get("logit_bias"), dict):
         body["logit_bias"] = {str(int(k) % VOCAB): v for k, v in body["logit_bias"].items()}
-    if isinstance(body.get("n"), int):
-        body["n"] = min(body["n"], 4)
-    if isinstance(body.get("best_of"), int):
-        body["best_of"] = max(min(body["best_of"], 4), body.get("n") or 1)
+    if number("n"):
+        body["n"] = min(int(body["n"]), 4)
+    if number("best_of"):
+        body["best_of"] = max(min(int(body["best_of"]), 4), body.get("n") or 1)
     if body.get("best_of") or body.get("prompt_logprobs") is not None:
         body["stream"] = False
     if "max_completion_tokens" not in body:
