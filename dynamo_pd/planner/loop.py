@@ -36,6 +36,8 @@ class Planner:
         self._limits: dict[str, Limits] = {}  # last known, kept while a pool has no worker
         self._last_change: dict[str, float] = {}
         self._scaling: dict[str, asyncio.Task] = {}
+        # per pool, how long its last growth took until the new workers registered (one interval until seen)
+        self._ready_s: dict[str, float] = {}
         self._slo = Slo(config.ttft_slo_s, config.itl_slo_s)
 
     async def run(self) -> None:
@@ -83,7 +85,8 @@ class Planner:
             self._limits[pool] = Limits(seen.max_num_seqs or 1 << 30, seen.kv_blocks or 1 << 30,
                                         seen.block_size, cfg.chunk_tokens)
         costs = seen.costs
-        load = self.forecasts[pool].load(costs.output_tokens or 0.0)
+        ready_steps = 1 + self._ready_s.get(pool, cfg.interval_s) / cfg.interval_s
+        load = self.forecasts[pool].load(costs.output_tokens or 0.0, ready_steps)
         missing = ("the last scaling to finish" if pool in self._scaling
                    else "a worker to register" if pool not in self._limits
                    else "an interval of load" if load is None
@@ -108,8 +111,11 @@ class Planner:
         self._scaling[decision.pool] = task
 
     async def _carry_out(self, decision: Decision) -> None:
+        started = self._clock()
         try:
-            await self.connector.set_replicas(decision.pool, decision.target)
+            await self.connector.set_replicas(decision.pool, decision.target)  # growth: until they registered
+            if decision.target > decision.current:
+                self._ready_s[decision.pool] = self._clock() - started
         except ConnectorError as exc:
             self.metrics.connector_errors.labels(decision.pool).inc()
             self._last_change.pop(decision.pool, None)  # nothing changed: no cool-down either

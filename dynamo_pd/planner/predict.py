@@ -3,7 +3,8 @@ output lengths of its requests.
 
     constant   next = the last interval's value (reactive)
     trend      Holt's linear smoothing: a level and a slope, each an exponentially weighted mean of what
-               the intervals showed; next = level + slope (a ramp is met a step early)
+               the intervals showed; next = level + slope (a ramp is met a step early), and a rising
+               rate is planned for when a worker started now would be ready (the last scale-up's time)
 A mean length is updated only by an interval that had requests; the prompts' spread (which the TTFT
 model needs, not just their mean) comes from the last WINDOW requests seen.
 """
@@ -38,8 +39,9 @@ class Series:
         self.level = LEVEL_WEIGHT * value + (1 - LEVEL_WEIGHT) * (self.level + self.slope)
         self.slope = SLOPE_WEIGHT * (self.level - previous) + (1 - SLOPE_WEIGHT) * self.slope
 
-    def forecast(self) -> float | None:
-        return None if self.level is None else max(0.0, self.level + self.slope)
+    def forecast(self, steps: float = 1.0) -> float | None:
+        """`steps` intervals ahead (the next one: 1)."""
+        return None if self.level is None else max(0.0, self.level + self.slope * steps)
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,14 @@ class LoadForecast:
             self.prompt_blocks.update(sum(a.blocks for a in arrivals) / len(arrivals))
             self.recent.extend(a.prefill_tokens for a in arrivals)
 
-    def load(self, output_tokens: float) -> Load | None:
-        """The next interval's load; None before any interval was seen."""
+    def load(self, output_tokens: float, ready_steps: float = 1.0) -> Load | None:
+        """The next interval's load, at the rate of the next interval or of `ready_steps` intervals ahead
+        (when a worker started now would serve), whichever is higher: a rising load is met when the new
+        worker is ready, a falling one is not shrunk for early. None before any interval was seen."""
         rate = self.rate.forecast()
         if rate is None:
             return None
+        rate = max(rate, self.rate.forecast(ready_steps))
         return Load(rate=rate, prompt_tokens=tuple(self.recent),
                     mean_prompt_tokens=self.prompt_tokens.forecast() or 0.0,
                     prompt_blocks=self.prompt_blocks.forecast() or 0.0, output_tokens=output_tokens)

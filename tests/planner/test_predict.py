@@ -71,3 +71,16 @@ def test_lengths_come_from_intervals_with_requests():
     load = forecast.load(100.0)
     assert load.rate == 0.0 and load.mean_prompt_tokens == 2000 and load.prompt_blocks == 125.5
     assert load.prompt_tokens == (3000, 1000) and load.output_tokens == 100.0
+
+
+def test_a_rising_rate_is_planned_for_when_a_new_worker_would_be_ready():
+    rising, falling = LoadForecast("trend"), LoadForecast("trend")
+    for t in range(20):
+        rising.update(1.0, [Arrival(100, 7)] * (2 * t))  # +2 req/s an interval
+        falling.update(1.0, [Arrival(100, 7)] * (80 - 2 * t))
+    assert rising.load(10.0).rate == pytest.approx(40.0, abs=0.1)  # the next interval
+    # a worker started now serves 2.5 intervals later: planned for the rate then
+    assert rising.load(10.0, ready_steps=2.5).rate == pytest.approx(43.0, abs=0.1)
+    # falling: the next interval's rate, not the lower one later (shrinking early would miss it)
+    assert falling.load(10.0, ready_steps=2.5).rate == falling.load(10.0).rate == pytest.approx(40.0, abs=0.1)
+    assert falling.rate.forecast(2.5) == pytest.approx(37.0, abs=0.1)
