@@ -39,20 +39,19 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import aiperf_run, deploy, report
+from benchmarks import deploy, report
 from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.router_policies import TRACE_BLOCK_TOKENS, trace_file
-from benchmarks.session import Session, add_common_args, worker_args
-from dynamo_pd.model_store import DEFAULT_MODEL
+from benchmarks.session import Session, add_common_args, fill_defaults, worker_args
 
 WORKLOADS = ("sinusoid", "mooncake")
 # a simulated 8B model on H100s (agg_vs_disagg's workload), SLOs its peak needs ~9 workers for
-DEFAULTS = dict(periods=3, period_s=90.0, low=1.0, high=24.0, isl=3000, osl=150, ttft_slo_ms=250.0,
-                itl_slo_ms=8.0, interval_s=10.0, cooldown_s=30.0, budget=16, trace_requests=100,
-                kv_cache_memory_gb=54.0, speedup=0.25)
-# a few minutes: one short period, shorter prompts and a slower clock (less for the frontend to do per real s)
-QUICK = dict(periods=1, period_s=40.0, isl=1024, osl=100, interval_s=5.0, cooldown_s=15.0, trace_requests=40,
-             speedup=0.2)
+# --quick (the quick_ ones): a few minutes, one short period, shorter prompts and a slower clock (less for the
+# frontend to do per real s)
+DEFAULTS = dict(periods=3, quick_periods=1, period_s=90.0, quick_period_s=40.0, low=1.0, high=24.0, isl=3000,
+                quick_isl=1024, osl=150, quick_osl=100, ttft_slo_ms=250.0, itl_slo_ms=8.0, interval_s=10.0,
+                quick_interval_s=5.0, cooldown_s=30.0, quick_cooldown_s=15.0, budget=16, trace_requests=100,
+                quick_trace_requests=40, kv_cache_memory_gb=54.0, speedup=0.25, quick_speedup=0.2)
 _PLANNER_URL = re.compile(r"dynamo-pd metrics: planner at (\S+)")
 _SCRAPED = ("dynamo_pd_planner_worker_seconds_total", "dynamo_pd_planner_registered_workers")
 WARM_UP_INTERVALS = 2  # the planner's first intervals: it has no step costs yet, then no trend
@@ -85,9 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.engine != "mocker":
         p.error("the planner benchmark runs mocker workers (--engine mocker)")
-    for key, value in DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, QUICK.get(key, value) if args.quick else value)
+    fill_defaults(args, DEFAULTS)
     args.workloads = args.workloads.split(",")
     if unknown := [w for w in args.workloads if w not in WORKLOADS]:
         p.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
@@ -184,24 +181,6 @@ class Run:
         self.attainment = self.good / self.requests if self.requests else 0.0
         self.goodput = self.good / self.duration_s if self.duration_s else 0.0
         self.goodput_per_worker_s = self.good / self.worker_seconds if self.worker_seconds else 0.0
-
-
-def measure(session: Session, url: str, config: str, workload: Workload, name: str, seed: int
-            ) -> tuple[report.Summary, list[Record], float]:
-    """One aiperf replay: its summary, its records, and the wall-clock time its first request started."""
-    started = time.monotonic()
-    artifacts = session.out / "aiperf" / f"{config}_{name}".replace(" ", "_")
-    cmd = aiperf_run.command(session.aiperf, url, DEFAULT_MODEL, session.tokenizer, workload, session.slo,
-                             session.speedup, seed, artifacts, session.args.max_run_s)
-    aiperf_run.run(cmd, artifacts, session.args.max_run_s + 120, session.hf_cache)
-    result = aiperf_run.read(artifacts, session.speedup)
-    summary = report.summarize(config, name, None, result, session.slo)
-    session.done += 1
-    session.summaries.append(summary)
-    session.ttfts[(config, name)] = sorted(r.ttft_ms for r in result.records if r.ttft_ms is not None)
-    print(report.progress_line(session.done, session.runs, summary, time.monotonic() - started), flush=True)
-    first = min((r.start_ns for r in result.records), default=0) / 1e9
-    return summary, result.records, first
 
 
 def window(records: list[Record], speedup: float) -> tuple[float, float]:
@@ -345,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
         logs = session.out / "logs" / f"planner_{name}"
         with deploy.running(d, logs) as url:
             with PlannerScraper(planner_url(logs / "serve.log")) as scraper:
-                summary, records, t0 = measure(session, url, "planner", workload, name, seed)
+                summary = session.measure(url, "planner", name, None, workload, seed)
+        records = session.records[("planner", name)]
+        t0 = min((r.start_ns for r in records), default=0) / 1e9  # its first request, for the plot
         start, end = window(records, speedup)
         decisions = read_record(record)
         seconds = scraper.worker_seconds(start, end) * speedup
@@ -374,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         for config, prefill, decode in statics:
             d = deploy.Deployment(config, "mocker", prefill=prefill, decode=decode, worker_args=mocker)
             with deploy.running(d, session.out / "logs" / f"{config}_{name}".replace(" ", "_")) as url:
-                summary, records, _ = measure(session, url, config, workload, name, seed)
+                summary = session.measure(url, config, name, None, workload, seed)
+            records = session.records[(config, name)]
             start, end = window(records, speedup) if summary.ok else (0.0, 0.0)
             duration = (end - start) * speedup
             found_runs.append(Run(config, name, prefill, decode, summary.ok + summary.failed, summary.failed,

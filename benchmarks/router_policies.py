@@ -33,7 +33,7 @@ from pathlib import Path
 
 from benchmarks import deploy, report
 from benchmarks.aiperf_run import ROOT, Slo, Workload
-from benchmarks.session import Session, add_common_args, worker_args
+from benchmarks.session import Session, add_common_args, fill_defaults, worker_args
 from router.service import PolicyName
 
 POLICIES = typing.get_args(PolicyName)
@@ -73,13 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-ms", type=float, help="goodput bound on TTFT")
     p.add_argument("--itl-slo-ms", type=float, help="goodput bound on TPOT (aiperf's per-request inter_token_latency)")
     args = p.parse_args(argv)
-    defaults = DEFAULTS["mocker" if args.engine == "mocker" else "real"]
-    for key, value in defaults.items():
-        if key.startswith("quick_"):
-            continue
-        if getattr(args, key) is None:
-            quick = defaults.get(f"quick_{key}")
-            setattr(args, key, quick if args.quick and quick is not None else value)
+    fill_defaults(args, DEFAULTS["mocker" if args.engine == "mocker" else "real"])
     args.policies, args.workloads = args.policies.split(","), args.workloads.split(",")
     for given, known, flag in ((args.policies, POLICIES, "--policies"), (args.workloads, WORKLOADS, "--workloads")):
         if unknown := [g for g in given if g not in known]:

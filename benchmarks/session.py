@@ -29,6 +29,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small sweep that finishes in a few minutes")
 
 
+def fill_defaults(args: argparse.Namespace, defaults: dict) -> None:
+    """Each flag left unset takes its default; under --quick, its `quick_<flag>` one where there is one."""
+    for key, value in defaults.items():
+        if key.startswith("quick_") or getattr(args, key) is not None:
+            continue
+        quick = defaults.get(f"quick_{key}")
+        setattr(args, key, quick if args.quick and quick is not None else value)
+
+
 def worker_args(args: argparse.Namespace, mocker_args: list[str]) -> tuple[str, ...]:
     if args.engine == "mocker":
         return (*mocker_args, "--speedup", f"{args.speedup:g}")

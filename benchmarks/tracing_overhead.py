@@ -25,12 +25,13 @@ import sys
 from benchmarks import deploy, report
 from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.otlp_receiver import OtlpReceiver, Span
-from benchmarks.session import Session, add_common_args, worker_args
+from benchmarks.session import Session, add_common_args, fill_defaults, worker_args
 
 OFF, ALL = "off", "every request"
 DEFAULTS = {  # mocker: a simulated 8B model on an H100 in real time; native: SmolLM2 on this CPU
-    "mocker": dict(isl=2000, osl=32, rate=4.0, requests=120, quick_requests=60, speedup=1.0),
-    "real": dict(isl=256, osl=16, rate=0.5, requests=16, quick_requests=8, speedup=1.0),
+    "mocker": dict(isl=2000, osl=32, rate=4.0, requests=120, quick_requests=60, rounds=3, quick_rounds=2,
+                   speedup=1.0),
+    "real": dict(isl=256, osl=16, rate=0.5, requests=16, quick_requests=8, rounds=3, quick_rounds=2, speedup=1.0),
 }
 
 
@@ -45,14 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--isl", type=int, help="input tokens per request (mocker 2000, else 256)")
     p.add_argument("--osl", type=int, help="output tokens per request (mocker 32, else 16)")
     args = p.parse_args(argv)
-    defaults = DEFAULTS["mocker" if args.engine == "mocker" else "real"]
-    for key in ("isl", "osl", "rate", "speedup"):
-        if getattr(args, key) is None:
-            setattr(args, key, defaults[key])
-    if args.requests is None:
-        args.requests = defaults["quick_requests" if args.quick else "requests"]
-    if args.rounds is None:
-        args.rounds = 2 if args.quick else 3
+    fill_defaults(args, DEFAULTS["mocker" if args.engine == "mocker" else "real"])
     if not 0 < args.ratio < 1:
         p.error(f"--ratio must be in (0, 1), got {args.ratio:g}")
     if args.rounds < 1 or args.requests < 1:
