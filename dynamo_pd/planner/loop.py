@@ -31,6 +31,7 @@ class Planner:
     def __init__(self, config: PlannerConfig, observer: Observer, connector: Connector,
                  metrics: PlannerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.observer, self.connector, self.metrics = config, observer, connector, metrics
+        metrics.count_worker_seconds(connector.worker_seconds)
         self._clock = clock
         self.forecasts = {pool: LoadForecast(config.predictor) for pool in config.pools}
         self._limits: dict[str, Limits] = {}  # last known, kept while a pool has no worker
@@ -71,9 +72,6 @@ class Planner:
             self.metrics.record(decision, loads[decision.pool], len(seen.workers))
             if decision.change:
                 self._scale(decision)
-        seconds = self.connector.worker_seconds()
-        if seconds is not None:
-            self.metrics.record_worker_seconds(seconds)
         if self.config.record is not None:
             self._record(decisions, observations, loads)
         return decisions

@@ -18,7 +18,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from dynamo_pd.planner.decide import Decision
 from dynamo_pd.planner.model import Load
@@ -47,14 +51,11 @@ class PlannerMetrics:
                                         ["pool"], registry=r)
         self.connector_errors = Counter(_P + "connector_errors", "Scaling calls that failed", ["pool"],
                                         registry=r)
-        self.worker_seconds = Counter(_P + "worker_seconds", "Seconds the pool's workers existed", ["pool"],
-                                      registry=r)
         for pool in pools:  # rendered from the start: none is a count
             for action in ("up", "down", "hold"):
                 self.decisions.labels(pool, action)
             for family in (self.unmeetable, self.unmeetable_total, self.connector_errors):
                 family.labels(pool)
-        self._worker_seconds: dict[str, float] = {}
 
     def record(self, decision: Decision, load: Load | None, registered: int) -> None:
         pool = decision.pool
@@ -76,8 +77,19 @@ class PlannerMetrics:
             if value is not None:
                 gauge.labels(pool).set(value)
 
-    def record_worker_seconds(self, seconds: dict[str, float]) -> None:
-        """The connector's running totals, as counters."""
-        for pool, total in seconds.items():
-            self.worker_seconds.labels(pool).inc(max(0.0, total - self._worker_seconds.get(pool, 0.0)))
-            self._worker_seconds[pool] = max(total, self._worker_seconds.get(pool, 0.0))
+    def count_worker_seconds(self, source: Callable[[], dict[str, float] | None]) -> None:
+        """dynamo_pd_planner_worker_seconds_total from the connector's running totals, read at each scrape:
+        set once an interval, a reader integrating it over a window was up to an interval short."""
+        self.registry.register(_WorkerSeconds(source))
+
+
+class _WorkerSeconds(Collector):
+    def __init__(self, source: Callable[[], dict[str, float] | None]) -> None:
+        self._source, self._totals = source, {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(_P + "worker_seconds", "Seconds the pool's workers existed", labels=["pool"])
+        for pool, total in (self._source() or {}).items():
+            self._totals[pool] = max(total, self._totals.get(pool, 0.0))  # a counter never goes back
+            family.add_metric([pool], self._totals[pool])
+        yield family

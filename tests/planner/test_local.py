@@ -5,10 +5,12 @@ import asyncio
 import subprocess
 
 import pytest
+from prometheus_client import generate_latest
 
 from dynamo_pd import serve
 from dynamo_pd.planner.connectors import ConnectorError
 from dynamo_pd.planner.connectors.local import Launch, LocalConnector
+from dynamo_pd.planner.metrics import PlannerMetrics
 from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery
 from dynamo_pd.runtime.ports import free_port
@@ -58,9 +60,18 @@ async def test_adds_and_drains_single_mocker_workers(discovery, tmp_path):
         assert await registered(client) == ["aggregated-0"]
         assert processes[0].poll() is None  # the process serves on with the one left
         seconds = connector.worker_seconds()["aggregated"]
+        # the planner's counter reads the connector at each scrape, not once an interval (no planner here)
+        metrics = PlannerMetrics(("aggregated",))
+        metrics.count_worker_seconds(connector.worker_seconds)
+        scraped = lambda: next(float(line.rpartition(" ")[2])  # noqa: E731
+                               for line in generate_latest(metrics.registry).decode().splitlines()
+                               if line.startswith('dynamo_pd_planner_worker_seconds_total{pool="aggregated"}'))
+        before = scraped()
+        assert before >= seconds
         await connector.set_replicas("aggregated", 2)  # ids are never reused
         assert await registered(client) == ["aggregated-0", "aggregated-3"]
         assert connector.worker_seconds()["aggregated"] > seconds
+        assert scraped() > before
     finally:
         await connector.close()
     await asyncio.to_thread(processes[0].wait, 30)  # the end of its commands stops it
