@@ -19,6 +19,11 @@ Metrics (docs/operations/metrics.md says which engines omit which):
   dynamo_pd_worker_kv_onboarded_bytes_total{tier}      their bytes and the time copying them back took
   dynamo_pd_worker_kv_onboarded_seconds_total{tier}
   dynamo_pd_worker_kv_tier_corrupt_total{tier}         disk blocks dropped as unreadable (checksum, length)
+  dynamo_pd_worker_kv_peer_pulls_total{outcome}        prefixes this worker read from a peer instead of computing
+                                            them: pulled, refused (the holder was busy), failed (computed here)
+  dynamo_pd_worker_kv_peer_pull_bytes_total            what the pulled ones moved, and the time they took
+  dynamo_pd_worker_kv_peer_pull_seconds_total          (the hold's round trip and the read): bytes/s is their rate
+  dynamo_pd_worker_kv_peer_holds_total{outcome}        peers' requests for this worker's prefixes: served, declined
   dynamo_pd_worker_kv_transfers_total{transport,direction}         finished KV transfers, in: into this
   dynamo_pd_worker_kv_transfer_bytes_total{transport,direction}    worker's blocks, out: from them; their
   dynamo_pd_worker_kv_transfer_seconds_total{transport,direction}  bytes and seconds (Begin to Finish)
@@ -208,6 +213,12 @@ class _Snapshot:
         onboard_s = _counter("kv_onboarded_seconds", "Time copying KV back from a lower tier took", "tier")
         corrupt = _counter("kv_tier_corrupt", "Lower-tier KV blocks dropped as unreadable (checksum, length)",
                            "tier")
+        pulls = _counter("kv_peer_pulls", "Prefixes read from a peer instead of computed, by outcome (pulled; "
+                         "refused: the holder was busy; failed: computed here)", "outcome")
+        pull_bytes = _counter("kv_peer_pull_bytes", "KV bytes the pulled prefixes moved")
+        pull_s = _counter("kv_peer_pull_seconds", "Time the pulled prefixes took, the hold's round trip and the read")
+        holds = _counter("kv_peer_holds", "Peers' requests for this worker's cached prefixes (served, declined)",
+                         "outcome")
         for worker in self._workers:
             wid = worker.worker_id
             ready.add_metric([wid], 1.0 if worker.ready else 0.0)
@@ -242,5 +253,12 @@ class _Snapshot:
             malformed.add_metric([wid, "client"], counters.malformed_replies)
             if counters.nixl_agents_torn_down is not None:
                 torn_down.add_metric([wid], counters.nixl_agents_torn_down)
+            peer = counters.peer
+            for outcome in ("pulled", "refused", "failed"):
+                pulls.add_metric([wid, outcome], getattr(peer, outcome))
+            pull_bytes.add_metric([wid], peer.bytes)
+            pull_s.add_metric([wid], peer.seconds)
+            holds.add_metric([wid, "served"], peer.served)
+            holds.add_metric([wid, "declined"], peer.declined)
         yield from (ready, running, waiting, used, total, transfers, moved, seconds, failures, malformed,
-                    torn_down, tier_hits, onboarded, onboard_s, corrupt)
+                    torn_down, tier_hits, onboarded, onboard_s, corrupt, pulls, pull_bytes, pull_s, holds)

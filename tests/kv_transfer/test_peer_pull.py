@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dynamo_pd.engines.base import EngineConfig
 from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
@@ -19,6 +22,7 @@ from dynamo_pd.engines.native.core import MAX_PEER_PINS
 from dynamo_pd.handoff import HandoffManager, HandoffTimes
 from dynamo_pd.protocol import EngineRequest, PeerPrefix, SamplingParams, StopConditions
 from dynamo_pd.runtime import RequestContext
+from dynamo_pd.worker_metrics import WorkerEndpoint
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.protocol import HoldPrefix, PeerLostError, TransferDescriptor
 from router.hashing import block_hashes
@@ -82,6 +86,16 @@ def peer_of(manager: HandoffManager, num_blocks: int = 8) -> PeerPrefix:
     return PeerPrefix(worker_id=manager.worker_id, endpoint=manager.agent.endpoint, num_blocks=num_blocks)
 
 
+def peer_metrics(manager: HandoffManager) -> dict[tuple[str, str | None], float]:
+    """The worker's /metrics peer-pull series, (name, outcome label) -> value."""
+    endpoint = WorkerEndpoint()
+    endpoint.add(SimpleNamespace(worker_id=manager.worker_id, ready=True, engine_stats=lambda: None,
+                                 transfer_counters=manager.agent.counters))
+    return {(sample.name, sample.labels.get("outcome")): sample.value
+            for family in text_string_to_metric_families(generate_latest(endpoint.registry).decode())
+            for sample in family.samples if "_kv_peer_" in sample.name}
+
+
 def kv_tokens(engine: MockerEngine, ids: list[int], blocks: int) -> list[int]:
     """The token ids the stand-in KV of the engine's cached blocks for `ids` holds."""
     core = engine._core
@@ -101,6 +115,12 @@ async def test_a_prefix_the_peer_holds_is_read_not_computed_and_both_sides_free_
     assert (peer.pulled, peer.bytes, peer.refused, peer.failed) == (1, 8 * block_bytes, 0, 0)
     assert held_by.agent.counters().peer.served == 1
     assert puller.stats.fetch.pull_bytes_per_s > 0 and puller.stats.fetch.pull_fixed_s > 0
+    pulled = peer_metrics(pulls)  # what the puller's /metrics says of it
+    name = "dynamo_pd_worker_kv_peer_"
+    assert pulled[name + "pulls_total", "pulled"] == 1 and pulled[name + "pulls_total", "failed"] == 0
+    assert pulled[name + "pull_bytes_total", None] == 8 * block_bytes
+    assert pulled[name + "pull_seconds_total", None] == peer.seconds > 0
+    assert peer_metrics(held_by)[name + "holds_total", "served"] == 1
 
 
 async def test_blocks_the_puller_has_are_not_read_again(pair):
@@ -134,6 +154,8 @@ async def test_a_busy_holder_refuses_and_the_prefix_is_computed_here(pair):
     tokens, cached = await run(puller, request("pulled", peer_of(held_by)))
     assert tokens == expected and cached == 0
     assert pulls.agent.counters().peer.refused == 1 and held_by.agent.counters().peer.declined == 1
+    assert peer_metrics(pulls)["dynamo_pd_worker_kv_peer_pulls_total", "refused"] == 1
+    assert peer_metrics(held_by)["dynamo_pd_worker_kv_peer_holds_total", "declined"] == 1
     for i in range(MAX_PEER_PINS):
         holder.unpin_prefix(f"other-{i}")
     await until(lambda: idle(holder) and idle(puller), "both sides idle")
