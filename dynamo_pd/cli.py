@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-dir", default=None,
                    help="where the disk tier keeps its files, in a directory of each worker's own, gone "
                         "when it stops (default: the system's temporary directory)")
+    g.add_argument("--no-peer-prefixes", action="store_true",
+                   help="neither lend this worker's cached prefixes to peers nor read theirs: a prefix it lacks "
+                        "is computed (default: the router may plan a read from the peer that holds it)")
     g.add_argument("--handoff-lease-s", type=float, default=30.0, help="prefill: how long held KV waits for decode")
 
 
@@ -117,6 +120,7 @@ def engine_config(args: argparse.Namespace, role: EngineRole, passthrough: list[
         kv_host_gb=args.kv_host_gb,
         kv_disk_gb=args.kv_disk_gb,
         kv_disk_dir=args.kv_disk_dir,
+        peer_prefixes=not args.no_peer_prefixes,
         handoff=HandoffTimes(lease_s=args.handoff_lease_s),
         extra=parse_passthrough(passthrough),
     )

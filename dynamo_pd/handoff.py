@@ -132,7 +132,7 @@ class HandoffManager:
             config = dataclasses.replace(self.times.transfer_config(self._transport), **self._place)
             self.agent = KVTransferAgent(self.worker_id, memory, config)
             await self.agent.start()
-            if getattr(engine, "peer_prefixes", False):  # Engine.peer_prefixes
+            if getattr(engine, "peer_prefixes", False) and engine.config.peer_prefixes:  # it can, and may
                 self.agent.prefix_source = _EnginePrefixes(engine)
                 engine.prefix_loader = self.load_prefix
 

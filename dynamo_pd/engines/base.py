@@ -51,6 +51,7 @@ class EngineConfig:
     kv_host_gb: float = 0.0
     kv_disk_gb: float = 0.0
     kv_disk_dir: str | None = None  # None: the system's temporary directory
+    peer_prefixes: bool = True  # where the engine can (Engine.peer_prefixes): lend cached prefixes, read peers'
     handoff: HandoffTimes = field(default_factory=HandoffTimes)  # leases and timeouts (--handoff-lease-s)
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # engine-specific flags, passed through

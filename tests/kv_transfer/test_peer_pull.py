@@ -7,6 +7,7 @@ computed."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from types import SimpleNamespace
@@ -16,11 +17,12 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynamo_pd.engines.base import EngineConfig
+from dynamo_pd.cli import add_engine_args, engine_config
+from dynamo_pd.engines.base import EngineConfig, EngineRole
 from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
 from dynamo_pd.engines.native.core import MAX_PEER_PINS
 from dynamo_pd.handoff import HandoffManager, HandoffTimes
-from dynamo_pd.protocol import EngineRequest, PeerPrefix, SamplingParams, StopConditions
+from dynamo_pd.protocol import EngineRequest, PeerPrefix, SamplingParams, StopConditions, WorkerInfo
 from dynamo_pd.runtime import RequestContext
 from dynamo_pd.worker_metrics import WorkerEndpoint
 from kv_transfer.agent import KVTransferAgent
@@ -223,3 +225,21 @@ async def test_a_dead_peer_endpoint_is_a_peer_lost_error_not_a_hang(pair):
     with pytest.raises(PeerLostError):
         await pulls.agent.pull_prefix("tcp://127.0.0.1:9", "x", block_hashes(PROMPT, BS), list(range(8)),
                                       timeout_s=1.0)
+
+
+async def test_a_worker_started_with_no_peer_prefixes_neither_lends_nor_is_offered_as_a_holder():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config(parser.parse_args(["--engine", "mocker", "--no-peer-prefixes"]), EngineRole.AGGREGATED, [])
+    assert cfg.peer_prefixes is False
+    engine, manager = MockerEngine(config(peer_prefixes=False), clock=FakeClock()), HandoffManager("w", TIMES, "zmq")
+    await engine.start()
+    await manager.start(engine, "m")
+    try:
+        assert manager.agent is not None and manager.agent.prefix_source is None
+        info = manager.register(WorkerInfo(worker_id="w", role=EngineRole.AGGREGATED, engine="mocker", model="m",
+                                           model_path="m", rpc_endpoint=""))
+        assert info.kv_peer_prefixes is False  # the router plans no pull from or into it
+    finally:
+        await manager.close()
+        await engine.stop()
