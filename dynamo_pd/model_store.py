@@ -64,6 +64,23 @@ def resolve_model(model: str | None = None) -> Path:
     )
 
 
+def load_tokenizer(model_dir: Path):
+    """`model_dir`'s Hugging Face tokenizer, the one AutoTokenizer loads. A Llama directory whose
+    tokenizer_config.json names TokenizersBackend (what transformers 5 saves: the default model's), with no
+    custom code, is loaded through that class, AutoTokenizer's pick for it: importing AutoTokenizer imports
+    transformers' modelling code, ~3 s of CPU in each worker's start."""
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    named = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    if named.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in named and model_type == "llama":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def default_model_path() -> Path:
     return _converted(cache_dir() / "models" / DEFAULT_MODEL, _fetch_default_gguf)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynamo_pd.llm import LLM
-from dynamo_pd.model_store import resolve_model
+from dynamo_pd.model_store import load_tokenizer, resolve_model
 from dynamo_pd.protocol import SamplingParams, StopConditions
 
 CHATS = [
@@ -73,6 +73,23 @@ def test_the_directory_is_what_save_pretrained_writes(model_dir, hf, tmp_path):
         with safe_open(str(d / "model.safetensors"), framework="pt") as f:
             weights.append((f.metadata(), {k: f.get_slice(k).get_shape() for k in f.keys()}))
     assert weights[0] == weights[1]
+
+
+@pytest.mark.slow
+def test_load_tokenizer_gives_what_autotokenizer_gives(model_dir, hf):
+    """The workers' tokenizer (load_tokenizer skips importing AutoTokenizer) is AutoTokenizer's, for the same text
+    in and out; AutoTokenizer takes a Llama directory's TokenizersBackend as named unless transformers lists llama
+    among the model types whose named class it overrides."""
+    from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+
+    auto, ours = hf[1], load_tokenizer(model_dir)
+    assert "llama" not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert type(ours) is type(auto) and ours.get_vocab() == auto.get_vocab()
+    text = "Le café, 東京は日本の 🍕🍕 <|im_end|> and\n\n  spaces"
+    ids = auto.encode(text)
+    assert ours.encode(text) == ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoTokenizer
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole
 from dynamo_pd.engines.native.block_manager import BlockManager
@@ -25,7 +24,7 @@ from dynamo_pd.engines.native.scheduler import Scheduler
 from dynamo_pd.engines.native.sequence import Sequence, SequenceStatus
 from dynamo_pd.engines.native.step_costs import FetchCostMeter, StepCostMeter, StepLoad
 from dynamo_pd.engines.native.tiers import KVTiers, Onboarded, TierConfig, TierUse
-from dynamo_pd.model_store import resolve_model
+from dynamo_pd.model_store import load_tokenizer, resolve_model
 from dynamo_pd.handoff_kinds import EngineHandoff, HeldKV, PushHandoff
 from dynamo_pd.protocol import (
     EngineOutput,
@@ -82,7 +81,7 @@ class EngineCore:
             torch.set_num_threads(int(config.extra["num_threads"]))
         self.device = torch.device(config.device)
         dtype = _DTYPES[config.dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammars = huggingface_grammars(self.model_dir, mc.vocab_size, self.eos_token_ids)
         model = LlamaModel(mc, load_weights(self.model_dir, mc, self.device, dtype), self.max_model_len, self.device)

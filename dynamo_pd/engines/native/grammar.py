@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dynamo_pd.guided import grammar
+from dynamo_pd.model_store import load_tokenizer
 from dynamo_pd.protocol import Guided, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -84,9 +85,8 @@ def huggingface_grammars(model_dir: Path, vocab_size: int, stop_token_ids: froze
 
     def tokenizer_info() -> xgr.TokenizerInfo:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
 
