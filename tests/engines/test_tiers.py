@@ -216,3 +216,15 @@ def test_a_damaged_disk_block_is_detected_dropped_and_recomputed_never_served(tm
     assert not victim.exists() and tiers.find(hashes[2]) is None
     assert c.stats().tiers[0].corrupt == 1
     c.close()
+
+
+def test_a_fresh_mocker_reports_its_profiled_links_until_moves_measure_them(tmp_path):
+    # FETCH_PRIOR (the router's guess for a worker that never fetched) prices a pull 40x slower than the
+    # profiled NIC: a mocker reporting nothing would never be planned its first pull
+    c = MockerCore(EngineConfig(num_kv_blocks=8, block_size=BS, extra={}), PROFILE, speedup=0.5)
+    fetch = c.stats().fetch
+    assert fetch.pull_bytes_per_s == pytest.approx(PROFILE.transfer_gb_per_s * 1e9 * 0.5)
+    assert fetch.host_bytes_per_s == pytest.approx(PROFILE.host_gb_per_s * 1e9 * 0.5)
+    assert fetch.disk_bytes_per_s == pytest.approx(PROFILE.disk_gb_per_s * 1e9 * 0.5)
+    assert fetch.pull_fixed_s == fetch.host_fixed_s == 0.0
+    c.close()

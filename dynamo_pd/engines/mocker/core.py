@@ -108,6 +108,11 @@ class MockerCore(EngineCore):
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching,
                                           self._tiers(config, block_bytes))
         self.fetch_costs = FetchCostMeter(block_bytes)
+        # the profiled links' rates until moves measure them: the router prices an unmeasured pull at
+        # FETCH_PRIOR (this host's ZMQ, 40x slower than the profiled NIC), so it would never plan the first one
+        self.fetch_costs.pull.observe(block_bytes, profile.transfer_s(bs) / speedup)
+        for tier, meter in self.fetch_costs.tiers.items():
+            meter.observe(block_bytes, profile.onboard_s(tier, bs) / speedup)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, tuple[Sequence, float]] = {}
