@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import uuid
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +139,62 @@ def start_deployment(tmp_path: Path, *args: str, workers_expected: int | None = 
         deployment.stop()
         raise
     return deployment
+
+
+@contextlib.contextmanager
+def start_deployments(tmp_path_factory: pytest.TempPathFactory, args: dict[str, list[str]],
+                      timeout_s: float = 180.0) -> Iterator[dict[str, Deployment]]:
+    """start_deployment for each name -> launcher flags of `args`, side by side, each in a folder of its own;
+    yields them by name (in `args`' order) and on leaving stops every one with stop_checked. A failed start is
+    raised once every start has ended, the started ones stopped."""
+    # made here, not in the threads: the factory's first call creates its base folder, and two threads
+    # racing in it got two different ones (the second mktemp then fails)
+    folders = {name: tmp_path_factory.mktemp(name) for name in args}
+    started: dict[str, Deployment] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str) -> None:
+        try:
+            started[name] = start_deployment(folders[name], *args[name], timeout_s=timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start has ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # start_deployment's own timeout ends each
+    with contextlib.ExitStack() as stop:  # every deployment stopped (and checked), whichever check fails
+        for d in started.values():
+            stop.callback(d.stop_checked)
+        if errors:
+            raise errors[0]
+        yield {name: started[name] for name in args}
+
+
+@pytest.fixture(scope="package")
+def native(tmp_path_factory):
+    """Native aggregated, 1P1D pull and 1P1D push deployments, for the modules that only send them requests
+    (test_parity, test_n_best): started once, and stopped with the package, whose last modules they are
+    (pytest_collection_modifyitems)."""
+    # no health-check canaries: one would change a batch's shape, and with it the last bits of logprobs
+    quiet = ["--health-check-interval-s", "0"]
+    with start_deployments(tmp_path_factory, {
+            "aggregated": ["--aggregated", "1", *quiet], "pull": ["--prefill", "1", "--decode", "1", *quiet],
+            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]}) as deployments:
+        yield deployments
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared `native` deployments run last in this package, so the package's end, right
+    after them, stops those deployments (~2 GB each worker) instead of leaving them idle beside the later
+    modules' own."""
+    here = [i for i, item in enumerate(items) if Path(item.path).is_relative_to(Path(__file__).parent)]
+    if not here:
+        return
+    block = items[here[0]:here[-1] + 1]
+    shared = [item for item in block if "native" in getattr(item, "fixturenames", ())]
+    items[here[0]:here[-1] + 1] = [item for item in block if item not in shared] + shared
 
 
 def llama_server_command(port: int, n_ctx: int, *extra: str) -> list[str]:

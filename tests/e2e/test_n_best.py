@@ -1,5 +1,5 @@
 """n > 1, best_of, logit_bias, echo, prompt_logprobs, chat logprobs and suffix over HTTP on the native engine,
-aggregated and 1P1D with pull and push hand-offs side by side (test_parity's deployments): each field changes
+aggregated and 1P1D with pull and push hand-offs side by side (the deployments test_parity shares): each field changes
 what a plain request gets, and the disaggregated answers equal the aggregated ones exactly (choices, text,
 logprobs, usage; streamed and not), with KV moved and no fallback, so the decode side forked the choices from one
 hand-off. suffix is a 400 naming it on every deployment (SmolLM2 has no fill-in-the-middle tokens)."""
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from dynamo_pd.model_store import resolve_model
 from tests.e2e.conftest import MODEL
-from tests.e2e.test_parity import fallbacks, native  # noqa: F401 - the deployments, a fixture
+from tests.e2e.test_parity import fallbacks
 
 pytestmark = pytest.mark.slow
 PROMPT = "List three colors:"
@@ -70,7 +70,7 @@ def cases(banned: int) -> dict[str, tuple[str, bool, dict]]:
 
 
 @pytest.mark.timeout(600)
-def test_every_field_is_honoured_and_1p1d_answers_what_aggregated_does(native, openai_client_factory):  # noqa: F811
+def test_every_field_is_honoured_and_1p1d_answers_what_aggregated_does(native, openai_client_factory):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
     plain = answer(openai_client_factory(native["aggregated"]), "completion", False, max_tokens=8, temperature=0)
     banned = tokenizer(plain["choices"][0]["text"], add_special_tokens=False).input_ids[0]
@@ -108,7 +108,7 @@ def test_every_field_is_honoured_and_1p1d_answers_what_aggregated_does(native, o
         assert not any(fallbacks(native[mode]).values()), fallbacks(native[mode])
 
 
-def test_suffix_is_a_400_naming_it_on_every_deployment(native):  # noqa: F811
+def test_suffix_is_a_400_naming_it_on_every_deployment(native):
     for mode, deployment in native.items():
         status, body = deployment.post("/v1/completions", {"model": MODEL, "prompt": "def f(", "suffix": "  return 1"})
         assert status == 400 and body["error"]["param"] == "suffix" and "FIM" in body["error"]["message"], (mode, body)

@@ -7,7 +7,6 @@ checks that vLLM's own KV events reach the router. Run with -s to see the table 
 from __future__ import annotations
 
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -76,38 +75,6 @@ def run_everywhere(deployments: dict[str, Deployment], client_for, cases: list[t
     with ThreadPoolExecutor(len(deployments)) as pool:
         running = {name: pool.submit(run, d) for name, d in deployments.items()}
         return {name: future.result() for name, future in running.items()}
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    # no health-check canaries: one would change a batch's shape, and with it the last bits of logprobs
-    quiet = ["--health-check-interval-s", "0"]
-    args = {"aggregated": ["--aggregated", "1", *quiet], "pull": ["--prefill", "1", "--decode", "1", *quiet],
-            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]}
-    deployments: dict[str, Deployment] = {}
-    errors: list[BaseException] = []
-    # made here, not in the threads: the factory's first call creates its base folder, and two threads
-    # racing in it got two different ones (the second mktemp then fails)
-    folders = {name: tmp_path_factory.mktemp(name) for name in args}
-
-    def start(name: str) -> None:
-        try:
-            deployments[name] = start_deployment(folders[name], *args[name])
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start has ended
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(name,)) for name in args]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    try:
-        if errors:
-            raise errors[0]
-        yield deployments
-    finally:
-        codes = {name: d.stop() for name, d in deployments.items()}
-    assert all(code == 0 for c in codes.values() for code in c.values()), codes
 
 
 def table(rows: list[tuple[str, str, int, int]]) -> str:

@@ -7,7 +7,6 @@ to every deployment at once, many in flight on each. `chat.completions.parse` wi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ import jsonschema
 import pydantic
 import pytest
 
-from tests.e2e.conftest import MODEL, Deployment, start_deployment
+from tests.e2e.conftest import MODEL, start_deployments
 
 pytestmark = pytest.mark.slow
 
@@ -116,28 +115,10 @@ def deployments(tmp_path_factory):
     # three deployments on two cores: a first token can take over the default minute (nothing here stalls)
     quiet = ["--health-check-interval-s", "0", "--kv-cache-memory-gb", "0.1",
              "--inter-token-timeout-s", "300"]
-    args = {"aggregated": ["--aggregated", "1", *quiet], "pull": ["--prefill", "1", "--decode", "2", *quiet],
-            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]}
-    folders = {name: tmp_path_factory.mktemp(name) for name in args}
-    started: dict[str, Deployment] = {}
-    errors: list[BaseException] = []
-
-    def start(name: str) -> None:
-        try:
-            started[name] = start_deployment(folders[name], *args[name], timeout_s=600)  # six workers at once
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start has ended
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(name,)) for name in args]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(660)
-    with contextlib.ExitStack() as stop:  # every deployment stopped (and checked), whichever check fails
-        for d in started.values():
-            stop.callback(d.stop_checked)
-        if errors:
-            raise errors[0]
+    with start_deployments(tmp_path_factory, {
+            "aggregated": ["--aggregated", "1", *quiet], "pull": ["--prefill", "1", "--decode", "2", *quiet],
+            "push": ["--prefill", "1", "--decode", "1", "--kv-handoff", "push", *quiet]},
+            timeout_s=600) as started:  # six workers at once
         yield started
 
 
