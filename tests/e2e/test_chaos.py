@@ -110,7 +110,15 @@ def client_for(deployment: Deployment) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=64))
 
 
+_EXPECTED: dict[tuple[str, int], dict[str, str]] = {}  # (deployment URL, max_tokens) -> prompt -> text
+
+
 async def expected_texts(deployment: Deployment, max_tokens: int) -> dict[str, str]:
+    """The prompts' greedy texts, asked once per deployment and length: the faults one after another on the
+    etcd / NATS deployment compare with the texts it gave before the first (seconds a request under load)."""
+    key = (deployment.url, max_tokens)
+    if key in _EXPECTED:
+        return _EXPECTED[key]
     async with client_for(deployment) as client:
         texts = {}
         for prompt in PROMPTS:
@@ -118,7 +126,8 @@ async def expected_texts(deployment: Deployment, max_tokens: int) -> dict[str, s
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             texts[prompt] = response.json()["choices"][0]["text"]
-        return texts
+    _EXPECTED[key] = texts
+    return texts
 
 
 # ---- the server side
