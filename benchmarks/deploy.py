@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from dynamo_pd.runtime.ports import free_port
 _READY_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 15.0
 _WORKER_LABEL = re.compile(r'^dynamo_pd_router_indexed_blocks\{worker="([^"]+)"\}', re.M)
+_METRICS_LINE = re.compile(r"^dynamo-pd metrics: (.+) at (\S+)$", re.M)  # serve's, one per process
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,26 @@ def running(d: Deployment, log_dir: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.wait()
+
+
+def metrics_urls(serve_log: Path, done: Callable[[dict[str, list[str]]], bool],
+                 timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """Each process's /metrics URL -> what serves there, from serve's lines naming them (the frontend's and the
+    workers' once every worker is ready, the planner's once it starts), as soon as `done` finds what it needs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {url: names.split(", ") for names, url in _METRICS_LINE.findall(serve_log.read_text())}
+        if done(found):
+            return found
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: serve did not name the /metrics URLs wanted within {timeout_s:g} s "
+                             f"(log: {serve_log})")
+        time.sleep(0.5)  # a child's log: nothing to wait on but the file
+
+
+def worker_metrics_urls(serve_log: Path, workers: int) -> list[str]:
+    """The /metrics URLs of the deployment's `workers` workers (one per process: a mocker process has many)."""
+    def named(urls: dict[str, list[str]]) -> list[str]:
+        return [url for url, names in urls.items() if names not in (["frontend"], ["planner"])]
+
+    return named(metrics_urls(serve_log, lambda urls: sum(len(urls[u]) for u in named(urls)) >= workers))

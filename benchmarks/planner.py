@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 import threading
 import time
@@ -52,7 +51,6 @@ DEFAULTS = dict(periods=3, quick_periods=1, period_s=90.0, quick_period_s=40.0, 
                 quick_isl=1024, osl=150, quick_osl=100, ttft_slo_ms=250.0, itl_slo_ms=8.0, interval_s=10.0,
                 quick_interval_s=5.0, cooldown_s=30.0, quick_cooldown_s=15.0, budget=16, trace_requests=100,
                 quick_trace_requests=40, kv_cache_memory_gb=54.0, speedup=0.25, quick_speedup=0.2)
-_PLANNER_URL = re.compile(r"dynamo-pd metrics: planner at (\S+)")
 _SCRAPED = ("dynamo_pd_planner_worker_seconds_total", "dynamo_pd_planner_registered_workers")
 WARM_UP_INTERVALS = 2  # the planner's first intervals: it has no step costs yet, then no trend
 
@@ -198,15 +196,10 @@ def planner_flags(args: argparse.Namespace, speedup: float, record: Path) -> tup
             "--budget", str(args.budget), "--predictor", args.predictor, "--planner-record", str(record))
 
 
-def planner_url(serve_log: Path, timeout_s: float = 60.0) -> str:
+def planner_url(serve_log: Path) -> str:
     """The planner's /metrics URL, from serve's line naming it (it comes once the planner starts)."""
-    deadline = time.monotonic() + timeout_s
-    while not (found := _PLANNER_URL.search(serve_log.read_text())):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"error: serve named no planner metrics URL within {timeout_s:g} s "
-                             f"(log: {serve_log})")
-        time.sleep(0.5)  # a child's log: nothing to wait on but the file
-    return found.group(1)
+    urls = deploy.metrics_urls(serve_log, lambda found: ["planner"] in found.values())
+    return next(url for url, names in urls.items() if names == ["planner"])
 
 
 def read_record(path: Path) -> list[dict]:

@@ -12,6 +12,7 @@ from benchmarks import aiperf_run
 from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.provenance import Provenance, collect
 from benchmarks.report import Summary, progress_line, summarize
+from dynamo_pd.frontend.health import HealthConfig
 from dynamo_pd.model_store import DEFAULT_MODEL, resolve_model
 
 
@@ -40,7 +41,12 @@ def fill_defaults(args: argparse.Namespace, defaults: dict) -> None:
 
 def worker_args(args: argparse.Namespace, mocker_args: list[str]) -> tuple[str, ...]:
     if args.engine == "mocker":
-        return (*mocker_args, "--speedup", f"{args.speedup:g}")
+        # serve passes the health-check flags to the frontend: its canaries keep their simulated period and
+        # bound (on a slowed clock a real 10 s bound fails a busy worker's canary: every worker left routing)
+        health = HealthConfig()
+        return (*mocker_args, "--speedup", f"{args.speedup:g}",
+                "--health-check-interval-s", f"{health.interval_s / args.speedup:g}",
+                "--health-check-timeout-s", f"{health.timeout_s / args.speedup:g}")
     if args.speedup not in (None, 1.0):
         raise SystemExit("error: --speedup applies to --engine mocker only")
     return ()

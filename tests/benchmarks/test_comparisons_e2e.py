@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import agg_vs_disagg, aiperf_run, router_policies
+from benchmarks import agg_vs_disagg, aiperf_run, kv_tiers, router_policies
 
 # aiperf takes 30 s or more to start each run on a 2-core host shared with other work
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -71,3 +71,21 @@ def test_router_policies_quick(tmp_path):
     # that worker is busy: its formula then prices the holder's running request like a whole new prefill and
     # goes elsewhere, so the requests are short (16 tokens) and 1 s apart to keep that rare.
     assert hit["kv"] > hit["round_robin"] + 0.2, hit
+
+
+def test_kv_tiers_quick(tmp_path):
+    # 2 workers whose pools hold 2 of the hot workload's 5 prefixes (1,024 tokens) each, as do their host tiers
+    argv = ["--workers", "2", "--rounds", "1", "--requests", "12", "--warmup-requests", "8", "--concurrency", "2",
+            "--hot-prefixes", "5", "--fits-prefixes", "1", "--prefix-tokens", "1024", "--kv-cache-memory-gb", "0.25",
+            "--kv-host-gb", "0.25", "--kv-disk-gb", "1", "--speedup", "1", "--out", str(tmp_path)]
+    kv_tiers.main(argv)
+    _check_outputs(tmp_path, "kv_tiers", argv, runs=4, requests=12, pngs=["throughput.png", "ttft_cdf.png"])
+    data = json.loads((tmp_path / "summaries.json").read_text())
+    fetched = {(r["config"], r["workload"]): r["fetched"] for r in data["fetched"]}
+    assert sum(fetched["on", "hot"]["tier hits"].values()) > 0, "the host tier served blocks back"
+    for workload in ("hot", "fits"):  # off: nothing below the pool, no peer read
+        off = fetched["off", workload]
+        assert not any(off["tier hits"].values()) and not any(off["peer pulls"].values()), off
+    assert set(data["ratios"]) == {"hot", "fits"} and all(r["ratio"] > 0 for r in data["ratios"].values())
+    assert (tmp_path / "kv-disk").is_dir() and not any((tmp_path / "kv-disk").iterdir()), \
+        "each worker's disk tier removed its folder when it stopped"

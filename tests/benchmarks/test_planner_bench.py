@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from benchmarks.aiperf_run import Record, Slo
-from benchmarks.planner import intervals, parse_args, prediction_md, sinusoid_file, sinusoid_times
+from benchmarks import deploy
+from benchmarks.planner import intervals, parse_args, planner_url, prediction_md, sinusoid_file, sinusoid_times
 
 
 def test_sinusoid_arrivals_follow_the_rate_from_low_to_high_and_back():
@@ -71,3 +72,17 @@ def test_bad_flags_are_one_line_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
         parse_args(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_metrics_urls_come_from_serves_lines_once_what_is_wanted_is_there(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("dynamo-pd: 2/2 workers registered\n"
+                   "dynamo-pd metrics: frontend at http://127.0.0.1:1/metrics\n"
+                   "dynamo-pd metrics: prefill-0 at http://127.0.0.1:2/metrics\n"
+                   "dynamo-pd metrics: decode-0, decode-1 at http://127.0.0.1:3/metrics\n")
+    assert deploy.worker_metrics_urls(log, 3) == ["http://127.0.0.1:2/metrics", "http://127.0.0.1:3/metrics"]
+    with pytest.raises(SystemExit, match="did not name the /metrics URLs"):
+        deploy.metrics_urls(log, lambda found: ["planner"] in found.values(), timeout_s=0.1)
+    log.write_text(log.read_text() + "dynamo-pd metrics: planner at http://127.0.0.1:4/metrics\n")
+    assert planner_url(log) == "http://127.0.0.1:4/metrics"
+    assert deploy.worker_metrics_urls(log, 3) == ["http://127.0.0.1:2/metrics", "http://127.0.0.1:3/metrics"]
