@@ -98,8 +98,10 @@ def served(url: str) -> str:
 def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limit: int,
           max_tokens: int) -> dict[str, Any]:
     right, rows = 0, []
+    todo = cases(bfcl, category, limit)
+    started = time.monotonic()
     with httpx.Client(base_url=url, timeout=600) as client:
-        for question, answer in cases(bfcl, category, limit):
+        for i, (question, answer) in enumerate(todo, 1):
             body = {"model": model, "messages": question["question"][0], "temperature": 0,
                     "max_tokens": max_tokens, "tools": openai_tools(question["function"], bfcl.types)}
             reply = client.post("/v1/chat/completions", json=body)
@@ -115,6 +117,8 @@ def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limi
             right += bool(verdict["valid"])
             rows.append({"id": question["id"], "valid": bool(verdict["valid"]),
                          "content": message.get("content"), "tool_calls": message.get("tool_calls")})
+            print(f"{url} {category}: {i}/{len(todo)}, {right} right, {time.monotonic() - started:.0f} s",
+                  flush=True)
     return {"accuracy": 100.0 * right / max(1, len(rows)), "cases": len(rows), "rows": rows}
 
 
