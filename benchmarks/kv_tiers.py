@@ -122,8 +122,8 @@ def scrape(urls: list[str]) -> dict[str, dict[str, float]]:
 
 
 def fetched_between(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    return {name: {k: after[name].get(k, 0.0) - v for k, v in before[name].items()} | {
-        k: v for k, v in after[name].items() if k not in before[name]} for name in after}
+    """What the counters grew by (a worker's counters only grow, and a series once rendered stays)."""
+    return {name: {k: v - before[name].get(k, 0.0) for k, v in after[name].items()} for name in after}
 
 
 def fetched_md(rows: list[dict]) -> str:

@@ -110,13 +110,15 @@ def client_for(deployment: Deployment) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=64))
 
 
-_EXPECTED: dict[tuple[str, int], dict[str, str]] = {}  # (deployment URL, max_tokens) -> prompt -> text
+# (deployment namespace, max_tokens) -> prompt -> text: the namespace is each start's own, a URL's port is
+# free again for a later deployment once this one stops
+_EXPECTED: dict[tuple[str, int], dict[str, str]] = {}
 
 
 async def expected_texts(deployment: Deployment, max_tokens: int) -> dict[str, str]:
     """The prompts' greedy texts, asked once per deployment and length: the faults one after another on the
     etcd / NATS deployment compare with the texts it gave before the first (seconds a request under load)."""
-    key = (deployment.url, max_tokens)
+    key = (deployment.namespace, max_tokens)
     if key in _EXPECTED:
         return _EXPECTED[key]
     async with client_for(deployment) as client:
