@@ -3,7 +3,7 @@ bfloat16: attention read in place against gathered blocks and SDPA (scattered bl
 a block edge, grouped and plain heads, head sizes 32 to 128, any thread count; prefill rows, fresh or after a
 cached context, beside decodes or alone, short chunks in the kernel and long ones with SDPA; a head size the
 kernel's 16 lanes do not divide takes the torch path), the fused residual add and RMS norm against F.rms_norm,
-and rotary embedding bit for bit."""
+rotary embedding bit for bit, and a grammar's token bitmask on the logits as xgrammar's own kernel applies it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dynamo_pd.engines.native import attention, kernels
 from dynamo_pd.engines.native.attention import AttentionBatch, PrefillChunk, paged_attention
-from dynamo_pd.engines.native.kernels import add_rms_norm, rope_
+from dynamo_pd.engines.native.kernels import add_rms_norm, mask_logits_, rope_
 
 BLOCK = 16
 
@@ -176,6 +176,22 @@ def test_rope_in_place_is_bit_identical_to_the_torch_path(tokens, dtype, torch_p
     rope_(views[1][1], cos, sin)
     assert torch.equal(views[1][0], views[0][0])
     assert not torch.equal(views[1][0], qkv)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49153, 50])
+def test_a_token_bitmask_masks_the_rows_given_as_xgrammars_kernel_does(vocab, torch_path):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = 0  # nothing allowed but what the other words keep: whole words of zeros and of ones
+    bitmask[3, : words // 2] = -1
+    expected, got = logits.clone(), logits.clone()
+    torch_path(mask_logits_, expected, bitmask, [1, 2, 3])
+    mask_logits_(got, bitmask, [1, 2, 3])
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[0, 4]], logits[[0, 4]])
+    assert torch.isinf(got[1]).all() and torch.isfinite(got[3, : words // 2 * 32]).all()
 
 
 def test_without_the_kernels_the_engine_says_so_and_works():

@@ -94,6 +94,45 @@ def test_one_step_masks_the_rows_under_a_grammar_and_leaves_the_others(tokenizer
         assert set(kept) == allowed and torch.equal(logits[row, kept], given[row, kept])
 
 
+def test_a_greedy_row_whose_best_token_its_grammar_allows_needs_no_mask_and_its_matcher_stays(tokenizer, grammars,
+                                                                                              vocab):
+    allowed = choice_starts(tokenizer, vocab)
+    inside, outside = tokenizer.encode("yes")[0], tokenizer.encode(" hello")[0]
+    assert inside in allowed
+    logits = torch.randn(2, vocab.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[0, inside] = 50.0  # row 0's best token is one its grammar allows; row 1's is not
+    logits[1, outside] = 50.0
+    given = logits.clone()
+    seqs = [seq_under(tokenizer, grammars, CHOICE, temperature=0) for _ in range(2)]
+    before = allowed_tokens(seqs[0].grammar, vocab.vocab_size)
+    tokens, _ = sample(logits, seqs, torch.Generator().manual_seed(1))
+
+    assert tokens == [inside, max(allowed, key=lambda t: given[1, t])]
+    assert torch.equal(logits[0], given[0])  # not masked
+    assert not torch.isfinite(logits[1]).all()
+    assert torch.equal(allowed_tokens(seqs[0].grammar, vocab.vocab_size), before)  # the check moved nothing
+
+
+def test_a_row_sampled_under_a_grammar_draws_from_the_masked_distribution(tokenizer, grammars, vocab):
+    """Half the mass outside the grammar: about half the draws are kept as they came, the rest are made again
+    from the masked row, and together they follow the masked distribution."""
+    allowed = sorted(choice_starts(tokenizer, vocab))
+    outside = tokenizer.encode(" hello")[0]
+    logits = torch.full((1, vocab.vocab_size), -1e4)
+    logits[0, allowed] = torch.linspace(0.0, 2.0, len(allowed))
+    logits[0, outside] = torch.logsumexp(logits[0, allowed], dim=0)
+    expected = logits[0, allowed].softmax(dim=0)
+    draws, counts, masked = 2000, torch.zeros(len(allowed)), 0
+    for seed in range(draws):
+        given = logits.clone()
+        token = sample(given, [seq_under(tokenizer, grammars, CHOICE, temperature=1.0, seed=seed)],
+                       torch.Generator())[0][0]
+        counts[allowed.index(token)] += 1
+        masked += bool(torch.isinf(given).any())
+    assert abs(masked / draws - 0.5) < 4 * (0.25 / draws) ** 0.5
+    assert ((counts / draws - expected).abs() < 4 * (expected * (1 - expected) / draws).sqrt()).all(), counts
+
+
 def test_a_sequence_stops_where_its_grammar_ends_and_eos_is_allowed_only_there(tokenizer, grammars, vocab):
     eos = vocab.eos_token_ids[0]
     for ignore_eos in (False, True):

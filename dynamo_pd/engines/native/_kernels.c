@@ -1,6 +1,7 @@
 /* The native engine's CPU kernels, float32 and bfloat16 (the arithmetic in float32), where a step spent its time
 outside the matmuls: attention over the paged KV cache read in place, the new tokens' K and V written into
-it, the residual add fused with RMS norm, and rotary embedding in place. kernels.py calls them, and runs the same
+it, the residual add fused with RMS norm, rotary embedding in place, and a grammar's token bitmask applied to
+the logits. kernels.py calls them, and runs the same
 arithmetic in torch where they are not built (or not on a CPU). Built with -ffp-contract=off, so each product
 rounds as torch's does (the rotation is bit-identical to transformers'), and -fno-trapping-math, so the exp's
 clamps vectorize.
@@ -364,11 +365,40 @@ static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+/* mask(logits, vocab, bitmask, words, rows, n, threads): for each of the n rows listed in rows (int64), every
+   token t < vocab whose bit (bit t % 32 of int32 word t / 32, xgrammar's token bitmask) is 0 gets -inf in its
+   logits row (float32, rows vocab apart; bitmask rows words apart). A grammar allows few tokens in most states:
+   a word of zeros is 32 stores, one of ones none. xgrammar's own CPU kernel tests bit by bit (7.5 ms a step at
+   batch 32 over a 49k vocabulary). */
+CLONES static void mask_row(float *logits, const int32_t *bits, int64_t vocab) {
+    for (int64_t w = 0, base = 0; base < vocab; w++, base += 32) {
+        const uint32_t word = (uint32_t)bits[w];
+        if (word == 0xffffffffu) continue;
+        const int64_t n = vocab - base < 32 ? vocab - base : 32;
+        for (int64_t i = 0; i < n; i++)
+            if (!((word >> i) & 1u)) logits[base + i] = -INFINITY;
+    }
+}
+
+static PyObject *mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[7];
+    if (!parse(args, nargs, 7, a, 0, NULL)) return NULL;
+    float *logits = (float *)(intptr_t)a[0];
+    const int32_t *bits = (const int32_t *)(intptr_t)a[2];
+    const int64_t vocab = a[1], words = a[3], *rows = (const int64_t *)(intptr_t)a[4], n = a[5];
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(a[6] < 1 ? 1 : a[6]) if (n > 1)
+    for (int64_t r = 0; r < n; r++) mask_row(logits + rows[r] * vocab, bits + rows[r] * words, vocab);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL, "Attention over a paged KV cache."},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL, "Residual add and RMS norm."},
     {"rope", (PyCFunction)(void (*)(void))rope, METH_FASTCALL, "Rotary embedding in place."},
     {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL, "New K and V rows into their cache slots."},
+    {"mask", (PyCFunction)(void (*)(void))mask, METH_FASTCALL, "A grammar's token bitmask applied to logits."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,6 @@
 """The native engine's hot steps besides the matmuls: attention reading the paged cache in place, new K and V
-into their slots, the residual add fused with RMS norm, rotary embedding in place. On a CPU in float32 or
+into their slots, the residual add fused with RMS norm, rotary embedding in place, a grammar's token bitmask on
+the logits. On a CPU in float32 or
 bfloat16 they run in C (_kernels.c, built by the install), elsewhere as the same arithmetic in torch; where the C
 is not built, the import warns once."""
 
@@ -130,3 +131,18 @@ def attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ta
                        torch.get_num_threads(), 1 / math.sqrt(head_dim))
     if bf16:
         out.copy_(result)
+
+
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: in each of `rows` of logits ([rows, vocab] float32), every token whose bit is 0 in that row of
+    bitmask (xgrammar's: int32 words, token t is bit t % 32 of word t // 32) becomes -inf. Elsewhere than a
+    dense float32 CPU tensor, xgrammar's own kernel does it."""
+    if not (in_c(logits) and logits.dtype == torch.float32 and logits.is_contiguous() and bitmask.is_contiguous()
+            and bitmask.dtype == torch.int32 and bitmask.shape[1] * 32 >= logits.shape[1]):
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        return
+    indices = torch.tensor(rows, dtype=torch.long)
+    _kernels.mask(logits.data_ptr(), logits.shape[1], bitmask.data_ptr(), bitmask.shape[1], indices.data_ptr(),
+                  len(rows), torch.get_num_threads())

@@ -4,7 +4,8 @@ logprobs; and the logprobs of prompt tokens (SamplingParams.prompt_logprobs).
 Random rows draw one uniform number each from their own generator (a request's seed, or the
 engine's; choice i of a seeded request with n > 1 its seed + i), then pick by inverse CDF, so a seeded
 request samples the same tokens whatever else shares its batch. Rows under a grammar (structured output)
-first lose every token it does not allow next (grammar.py); a logit bias is added before the penalties (as
+pick from the tokens it allows next (grammar.py), masking the row only where the first pick is refused
+(rows under a grammar draw twice, the second for that retry); a logit bias is added before the penalties (as
 vLLM orders them); the logprobs reported stay the model's own.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from dynamo_pd.engines.native.grammar import apply_bitmask
 from dynamo_pd.engines.native.sequence import Sequence
-from dynamo_pd.protocol import TokenLogprob
+from dynamo_pd.protocol import SamplingParams, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -68,11 +69,40 @@ def _filter_top_k_top_p(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p:
     return sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
 
 
+def _draws(params: SamplingParams) -> int:
+    """Uniform numbers a random row draws for each token: under a grammar a second, for a pick made again from
+    the masked row, drawn whether used or not, so that every token uses up the same draws wherever it was made."""
+    return 1 if params.guided is None else 2
+
+
+def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+          draws: list[torch.Tensor]) -> torch.Tensor:
+    """A token for each of `rows` by inverse CDF over its temperature-scaled, top-k / top-p filtered logits, at
+    its uniform draw."""
+    index = torch.tensor(rows, device=logits.device)
+    temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+    scaled = logits[index] / temperature[:, None]
+    vocab = scaled.shape[1]
+    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])
+    top_p = torch.tensor([params[i].top_p for i in rows])
+    if (top_k < vocab).any() or (top_p < 1).any():
+        scaled, order = scaled.sort(dim=-1, descending=True)
+        scaled = _filter_top_k_top_p(scaled, top_k.to(scaled.device), top_p.to(scaled.device))
+    else:
+        order = None
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    u = torch.stack(draws).to(logits.device)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+    if order is not None:
+        picked = order.gather(1, picked)
+    return picked[:, 0]
+
+
 def skip_draw(seq: Sequence) -> None:
     """The first token was sampled elsewhere (a prefill worker) from this request's seed: use up its
-    draw, so the next one is the draw an aggregated engine would make next."""
+    draws, so the next one is the draw an aggregated engine would make next."""
     if seq.generator is not None and not seq.request.sampling.greedy:
-        torch.rand(1, generator=seq.generator)
+        torch.rand(_draws(seq.request.sampling), generator=seq.generator)
 
 
 def sample(
@@ -91,30 +121,26 @@ def sample(
         # an extreme repetition_penalty overflows a logit to -inf (or inf): finite again, so a grammar's allowed
         # tokens never all fall to -inf beside the ones it masks, and softmax has no inf - inf
         logits.clamp_(-LOGIT_BOUND, LOGIT_BOUND)
-    apply_bitmask(logits, [seq.grammar for seq in seqs])  # in place: the caller's logits are this step's own
-
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    draws = {i: torch.rand(_draws(params[i]), generator=seqs[i].generator or engine_generator) for i in random_rows}
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        temperature = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        scaled = logits[rows] / temperature[:, None]
-        vocab = scaled.shape[1]
-        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows])
-        top_p = torch.tensor([params[i].top_p for i in random_rows])
-        if (top_k < vocab).any() or (top_p < 1).any():
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            scaled = _filter_top_k_top_p(scaled, top_k.to(scaled.device), top_p.to(scaled.device))
-        else:
-            order = None
-        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-        draws = torch.cat([
-            torch.rand(1, generator=seqs[i].generator or engine_generator) for i in random_rows
-        ]).to(logits.device)
-        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
-        if order is not None:
-            picked = order.gather(1, picked)
-        chosen[rows] = picked[:, 0]
+        chosen[random_rows] = _draw(logits, random_rows, params, [draws[i][0] for i in random_rows])
+    if any(seq.grammar is not None for seq in seqs):
+        # A pick stands where its grammar allows it: a greedy row's is the masked row's argmax too, and for a row
+        # sampled at a temperature alone a draw from the whole distribution that lands among the allowed tokens is
+        # a draw from the masked one (rejection sampling, as llama.cpp samples). A refused pick is made again
+        # from the masked row, a random one with its second draw; top-k / top-p rows cut their tail after the
+        # mask, so they always mask. The mask is what costs (grammar.apply_bitmask).
+        picks = chosen.tolist()
+        candidates = [token if p.greedy or (p.top_k <= 0 and p.top_p >= 1) else None for token, p in zip(picks, params)]
+        masked = apply_bitmask(logits, [seq.grammar for seq in seqs], candidates)  # in place: this step's own logits
+        again = [i for i in masked if params[i].greedy]
+        if again:
+            chosen[again] = logits[again].argmax(dim=-1)
+        again = [i for i in masked if not params[i].greedy]
+        if again:
+            chosen[again] = _draw(logits, again, params, [draws[i][1] for i in again])
 
     token_ids = chosen.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
