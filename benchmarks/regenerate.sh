@@ -20,7 +20,7 @@ for name in "${@:-${all[@]}}"; do
     footprint) $py benchmarks/footprint.py > "$out/footprint.md" ;;
     engine_throughput) $py benchmarks/engine_throughput.py --threads 2 --engines native transformers vllm-cpu \
                          > "$out/engine_throughput.md" ;;
-    structured_throughput) $py benchmarks/structured_throughput.py --threads 2 > "$out/structured_throughput.md" ;;
+    structured_throughput) $py benchmarks/structured_throughput.py --threads 2 --rounds 5 > "$out/structured_throughput.md" ;;
     transfer) $py benchmarks/transfer_bench.py > "$out/transfer.md" ;;
     router_bench) PYTHONPATH="$dynamo_site" $py benchmarks/router_bench.py > "$out/router_bench.md" ;;
     agg_vs_disagg_mocker) $py -m benchmarks.agg_vs_disagg --engine mocker --out "$out/$name" ;;
