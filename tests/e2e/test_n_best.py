@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dynamo_pd.model_store import resolve_model
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, side_by_side
 from tests.e2e.test_parity import fallbacks
 
 pytestmark = pytest.mark.slow
@@ -75,8 +75,8 @@ def test_every_field_is_honoured_and_1p1d_answers_what_aggregated_does(native, o
     plain = answer(openai_client_factory(native["aggregated"]), "completion", False, max_tokens=8, temperature=0)
     banned = tokenizer(plain["choices"][0]["text"], add_special_tokens=False).input_ids[0]
     run = cases(banned)
-    got = {mode: {name: answer(openai_client_factory(d), route, stream, **fields)
-                  for name, (route, stream, fields) in run.items()} for mode, d in native.items()}
+    got = side_by_side(native, lambda _, d: {name: answer(openai_client_factory(d), route, stream, **fields)
+                                             for name, (route, stream, fields) in run.items()})
     agg = got["aggregated"]
     assert agg["plain"] == plain
     biased = tokenizer(agg["logit_bias"]["choices"][0]["text"], add_special_tokens=False).input_ids

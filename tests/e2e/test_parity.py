@@ -7,12 +7,11 @@ checks that vLLM's own KV events reach the router. Run with -s to see the table 
 from __future__ import annotations
 
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import MODEL, Deployment, start_deployment, workers_registered
+from tests.e2e.conftest import MODEL, Deployment, side_by_side, start_deployment, workers_registered
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +68,7 @@ def fallbacks(deployment: Deployment) -> dict[str, float]:
 def run_everywhere(deployments: dict[str, Deployment], client_for, cases: list[tuple[dict, bool]]) -> dict:
     """Every deployment takes the cases in the same order, one at a time (so prefix caches and batch
     shapes match: a cache hit changes the last bits of logprobs); the deployments run side by side."""
-    def run(deployment: Deployment) -> list[dict]:
-        return [complete(client_for(deployment), body, stream) for body, stream in cases]
-
-    with ThreadPoolExecutor(len(deployments)) as pool:
-        running = {name: pool.submit(run, d) for name, d in deployments.items()}
-        return {name: future.result() for name, future in running.items()}
+    return side_by_side(deployments, lambda _, d: [complete(client_for(d), body, stream) for body, stream in cases])
 
 
 def table(rows: list[tuple[str, str, int, int]]) -> str:
@@ -194,8 +188,8 @@ def test_every_served_sampling_field_is_honoured_the_same_aggregated_and_1p1d(na
         "max_completion_tokens": ("chat", {"max_completion_tokens": 3}),
         "logprobs": ("chat", {"max_tokens": 4, "logprobs": True, "top_logprobs": 2}),
     }
-    results = {mode: {name: served(openai_client_factory(d), route, **fields)
-                      for name, (route, fields) in cases.items()} for mode, d in native.items()}
+    results = side_by_side(native, lambda _, d: {name: served(openai_client_factory(d), route, **fields)
+                                                 for name, (route, fields) in cases.items()})
     agg = results["aggregated"]
     for name in ("top_k", "top_p"):  # top_k 1 and a tiny top_p leave only the greedy token: the greedy text
         assert agg[name]["text"] == agg["plain"]["text"] != agg["seeded"]["text"], name
