@@ -117,8 +117,9 @@ def apply_bitmask(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None
 
 
 def _allows(matcher: xgr.GrammarMatcher, token: int) -> bool:
-    """Whether `token` may come next, the matcher left as it was (a refused token does not move it)."""
-    if not matcher.accept_token(token):
+    """Whether `token` may come next, the matcher left as it was (a refused token does not move it; a matcher
+    past its end warns on every token offered)."""
+    if matcher.is_terminated() or not matcher.accept_token(token):
         return False
     matcher.rollback(1)
     return True
