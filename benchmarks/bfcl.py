@@ -6,7 +6,10 @@ token, as tests/frontend/test_tools_http.py checks) and the same parser (hermes)
 scores side by side and writes them with the command, commit and host.
 
     pip install --no-deps --target .bfcl bfcl-eval    # its data and checker, not its dependencies
-    python -m benchmarks.bfcl --bfcl-path .bfcl --limit 50
+    python -m benchmarks.bfcl --bfcl-path .bfcl --limit 50 [--concurrency 8] [--tool-choice required]
+
+Each case's row goes to <out>/rows/<server>-<category>.jsonl as it ends (a long run stopped part way keeps
+them); the table and results.json are written at the end.
 
 bfcl-eval's checker module imports its whole model registry (every vendor's SDK) for one flag, whether a
 model's calls name `a.b` as `a_b`: the registry is given the one entry it reads here, True, as for
@@ -26,9 +29,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,30 +100,46 @@ def served(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limit: int,
-          max_tokens: int) -> dict[str, Any]:
-    right, rows = 0, []
+def score(url: str, model: str, bfcl: types.SimpleNamespace, category: str, limit: int, max_tokens: int,
+          tool_choice: str, concurrency: int, rows_path: Path) -> dict[str, Any]:
+    """The category's accuracy through the server at `url`, `concurrency` cases in flight; each case's row is
+    appended to `rows_path` as it ends, so a run stopped part way keeps what it asked."""
     todo = cases(bfcl, category, limit)
+    rows: list[dict[str, Any]] = []
+    lock = threading.Lock()
     started = time.monotonic()
-    with httpx.Client(base_url=url, timeout=600) as client:
-        for i, (question, answer) in enumerate(todo, 1):
-            body = {"model": model, "messages": question["question"][0], "temperature": 0,
-                    "max_tokens": max_tokens, "tools": openai_tools(question["function"], bfcl.types)}
-            reply = client.post("/v1/chat/completions", json=body)
-            reply.raise_for_status()
-            message = reply.json()["choices"][0]["message"]
-            try:
-                calls = [{c["function"]["name"]: json.loads(c["function"]["arguments"])}
-                         for c in message.get("tool_calls") or []]
-                verdict = bfcl.checker(question["function"], calls, answer["ground_truth"], bfcl.python,
-                                       category, CHECKER_MODEL) if calls else {"valid": False}
-            except ValueError:
-                verdict = {"valid": False}
-            right += bool(verdict["valid"])
-            rows.append({"id": question["id"], "valid": bool(verdict["valid"]),
-                         "content": message.get("content"), "tool_calls": message.get("tool_calls")})
-            print(f"{url} {category}: {i}/{len(todo)}, {right} right, {time.monotonic() - started:.0f} s",
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    rows_path.unlink(missing_ok=True)
+
+    def ask(client: httpx.Client, question: dict, answer: dict) -> None:
+        body = {"model": model, "messages": question["question"][0], "temperature": 0,
+                "max_tokens": max_tokens, "tools": openai_tools(question["function"], bfcl.types),
+                "tool_choice": tool_choice}
+        reply = client.post("/v1/chat/completions", json=body)
+        reply.raise_for_status()
+        message = reply.json()["choices"][0]["message"]
+        try:
+            calls = [{c["function"]["name"]: json.loads(c["function"]["arguments"])}
+                     for c in message.get("tool_calls") or []]
+            verdict = bfcl.checker(question["function"], calls, answer["ground_truth"], bfcl.python,
+                                   category, CHECKER_MODEL) if calls else {"valid": False}
+        except ValueError:
+            verdict = {"valid": False}
+        row = {"id": question["id"], "valid": bool(verdict["valid"]), "content": message.get("content"),
+               "tool_calls": message.get("tool_calls")}
+        with lock:
+            rows.append(row)
+            with rows_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            right = sum(r["valid"] for r in rows)
+            print(f"{url} {category}: {len(rows)}/{len(todo)}, {right} right, {time.monotonic() - started:.0f} s",
                   flush=True)
+
+    with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
+        for done in [pool.submit(ask, client, question, answer) for question, answer in todo]:
+            done.result()  # a failed request ends the run with its error
+    rows.sort(key=lambda r: r["id"])
+    right = sum(r["valid"] for r in rows)
     return {"accuracy": 100.0 * right / max(1, len(rows)), "cases": len(rows), "rows": rows}
 
 
@@ -153,12 +174,12 @@ def ours(model_dir: Path, log_dir: Path) -> contextlib.AbstractContextManager[st
                                 "--tool-call-parser", "hermes"], port, log_dir)
 
 
-def vllm(model_dir: Path, log_dir: Path) -> contextlib.AbstractContextManager[str]:
+def vllm(model_dir: Path, log_dir: Path, concurrency: int) -> contextlib.AbstractContextManager[str]:
     port = free_port()
     return server("vllm", [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model_dir.name, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4", "--enforce-eager",
+        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(concurrency), "--enforce-eager",
         "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--uvicorn-log-level", "warning"], port, log_dir)
 
@@ -178,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=50, help="cases per category")
     p.add_argument("--categories", default=",".join(CATEGORIES))
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=8, help="cases in flight on each server")
+    p.add_argument("--tool-choice", default="auto", choices=["auto", "required"],
+                   help="auto (BFCL's protocol) or required: each server's grammar makes the output a call, so a "
+                        "model too small to call on its own is scored on the calls' names and arguments")
     p.add_argument("--out", default="benchmarks/results/bfcl")
     args = p.parse_args(argv)
     bfcl = load_bfcl(args.bfcl_path)
@@ -185,12 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     categories = args.categories.split(",")
     results: dict[str, dict[str, Any]] = {}
-    with ours(model_dir, out / "logs") as url:
-        results["dynamo-pd"] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens)
-                                for c in categories}
-    with vllm(model_dir, out / "logs") as url:
-        results["vllm"] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens)
-                           for c in categories}
+    if args.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+    for name, start in (("dynamo-pd", lambda: ours(model_dir, out / "logs")),
+                        ("vllm", lambda: vllm(model_dir, out / "logs", args.concurrency))):
+        with start() as url:
+            results[name] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens, args.tool_choice,
+                                      args.concurrency, out / "rows" / f"{name}-{c}.jsonl") for c in categories}
     provenance = collect("python -m benchmarks.bfcl", argv)
     lines = ["| category | dynamo-pd | vLLM | cases |", "|---|---|---|---|"]
     for c in categories:
