@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                         "model too small to call on its own is scored on the calls' names and arguments")
     p.add_argument("--out", default="benchmarks/results/bfcl")
     args = p.parse_args(argv)
+    provenance = collect("python -m benchmarks.bfcl", argv)  # the commit the run starts on
     bfcl = load_bfcl(args.bfcl_path)
     model_dir = Path(args.model) if args.model else default_model_path()
     out = Path(args.out)
@@ -217,7 +218,6 @@ def main(argv: list[str] | None = None) -> None:
         with start() as url:
             results[name] = {c: score(url, served(url), bfcl, c, args.limit, args.max_tokens, args.tool_choice,
                                       args.concurrency, out / "rows" / f"{name}-{c}.jsonl") for c in categories}
-    provenance = collect("python -m benchmarks.bfcl", argv)
     lines = ["| category | dynamo-pd | vLLM | cases |", "|---|---|---|---|"]
     for c in categories:
         ours_c, theirs = results["dynamo-pd"][c], results["vllm"][c]
