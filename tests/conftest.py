@@ -25,12 +25,11 @@ def pytest_collectreport(report):
         _unexpected_skips.append(f"{report.nodeid}: {_skip_reason(report)}")
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("hardware") is None:
-        _unexpected_skips.append(f"{item.nodeid}: {_skip_reason(report)}")
-    return report
+# From the reports, not the items: with pytest-xdist (-n) the process that ends the run only gets those
+# (report.keywords holds the item's marker names).
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail") and "hardware" not in report.keywords:
+        _unexpected_skips.append(f"{report.nodeid}: {_skip_reason(report)}")
 
 
 def pytest_sessionfinish(session, exitstatus):
