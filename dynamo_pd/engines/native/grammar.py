@@ -97,9 +97,9 @@ def huggingface_grammars(model_dir: Path, vocab_size: int, stop_token_ids: froze
 def apply_bitmask(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None],
                   best: list[int | None]) -> list[int]:
     """In place: in each row with a matcher, every token its grammar does not allow next becomes -inf; returns
-    the rows masked. One bitmask for the batch. Rows without a matcher are left as they are, and so is a greedy
-    row whose best token (`best`, None for a row that samples) its grammar allows: that token is the masked
-    row's argmax too, and the mask is not free (4-8 ms a row inside a string of bounded length, where xgrammar
+    the rows masked. One bitmask for the batch. Rows without a matcher are left as they are, and so is a row
+    whose pick (`best`; None where the row must be masked first) its grammar allows: sampler.sample keeps such a
+    pick as it is, and the mask is not free (4-8 ms a row inside a string of bounded length, where xgrammar
     checks most of the vocabulary token by token)."""
     rows = [row for row, matcher in enumerate(matchers)
             if matcher is not None and (best[row] is None or not _allows(matcher, best[row]))]
