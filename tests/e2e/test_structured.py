@@ -1,10 +1,9 @@
 """Structured output across every hand-off, through the official `openai` client: 20 JSON schemas x 5 prompts,
-greedy and seeded, on aggregated, 1P1D pull and 1P1D push, and 50 of them (every schema, both samplings) streamed
-through a forced mid-stream migration (kill -9 of the decode worker holding the most streams). Every output is
-valid against its schema (`jsonschema`) and ends by the grammar (every schema bounds its output, so none reaches
-max_tokens; one that did would be counted apart with finish_reason "length"), and each deployment's text is the
-aggregated text, case by case. The requests go to every deployment at once, many in flight on each.
-`chat.completions.parse` with a pydantic model works."""
+greedy and seeded, on aggregated, 1P1D pull, 1P1D push and after a forced mid-stream migration (kill -9 of the
+decode worker holding the most streams). Every output is valid against its schema (`jsonschema`) and ends by
+the grammar (every schema bounds its output, so none reaches max_tokens; one that did would be counted apart
+with finish_reason "length"), and each deployment's text is the aggregated text, case by case. The requests go
+to every deployment at once, many in flight on each. `chat.completions.parse` with a pydantic model works."""
 
 from __future__ import annotations
 
@@ -71,10 +70,6 @@ def fields(s: int) -> dict:
 
 
 CASES = [(s, p, seed) for seed in (None, 7) for s in range(len(SCHEMAS)) for p in range(len(PROMPTS))]
-# Streamed through the migration: what moves is the first wave in flight at the kill, so every fourth greedy case
-# alternating with a seeded one (all 20 schemas, both samplings in that wave); the rest of CASES, once the kill
-# is over, would only re-run the 1P1D pull hand-off the non-streamed pass checks.
-MIGRATED = [case for pair in zip(CASES[:len(CASES) // 2:4], CASES[len(CASES) // 2::4]) for case in pair]
 
 
 def ask(client, case: tuple[int, int, int | None], stream: bool, on_start=None) -> dict:
@@ -102,11 +97,11 @@ def run_cases(client) -> list[dict]:
         return list(pool.map(lambda case: ask(client, case, stream=False), CASES))
 
 
-def check_valid(results: list[dict], cases: list[tuple[int, int, int | None]] = CASES) -> int:
+def check_valid(results: list[dict]) -> int:
     """Every output that ended by the grammar parses and is valid against its schema; returns how many were
     cut by max_tokens instead (counted apart)."""
     cut = 0
-    for (s, p, seed), r in zip(cases, results, strict=True):
+    for (s, p, seed), r in zip(CASES, results, strict=True):
         if r["finish"] == "length":
             cut += 1
             continue
@@ -142,7 +137,7 @@ def test_schema_valid_json_aggregated_1p1d_pull_push_and_after_a_migration(deplo
         differ = [(case, a, b) for case, a, b in zip(CASES, results["aggregated"], outs) if a != b]
         assert not differ, (name, len(differ), differ[:3])
 
-    # MIGRATED streamed to 1P2D pull; the decode worker holding the most streams is killed mid-stream
+    # the same cases streamed to 1P2D pull; the decode worker holding the most streams is killed mid-stream
     pull, counts, lock, enough = deployments["pull"], {}, threading.Lock(), threading.Event()
 
     def on_chunk(worker: str, chunks: int) -> None:
@@ -153,15 +148,14 @@ def test_schema_valid_json_aggregated_1p1d_pull_push_and_after_a_migration(deplo
                     enough.set()
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        futures = [pool.submit(ask, clients["pull"], case, True, on_chunk) for case in MIGRATED]
+        futures = [pool.submit(ask, clients["pull"], case, True, on_chunk) for case in CASES]
         assert enough.wait(600), f"no decode worker got {IN_FLIGHT // 4} streams going: {counts}; {pull.logs}"
         with lock:
             victim = max(counts, key=counts.get)
         pull.kill(victim)
         migrated = [f.result() for f in futures]
-    assert check_valid(migrated, MIGRATED) == 0
-    aggregated = dict(zip(CASES, results["aggregated"]))
-    differ = [(case, aggregated[case], b) for case, b in zip(MIGRATED, migrated) if aggregated[case] != b]
+    assert check_valid(migrated) == 0
+    differ = [(case, a, b) for case, a, b in zip(CASES, results["aggregated"], migrated) if a != b]
     assert not differ, (len(differ), differ[:3])
     assert pull.rendered_metric("dynamo_pd_migrations_total", reason="worker_gone") >= 1
 
