@@ -94,5 +94,6 @@ def main() -> None:
         print(f"| schema / unconstrained{suffix}, median of the rounds' pairs | "
               + " | ".join(f"**{r:.3f}**" for r in paired) + " |")
 
+
 if __name__ == "__main__":
     main()
