@@ -7,6 +7,8 @@ aggregated, across a prefill -> decode hand-off (pull, push, local fallback) and
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -240,3 +242,25 @@ def test_an_overflowing_repetition_penalty_still_picks_a_token_the_grammar_allow
         seq.token_ids += allowed
         tokens, _ = sample(logits, [seq], torch.Generator().manual_seed(1))
         assert tokens[0] in allowed, sampling
+
+
+def test_a_process_exiting_while_the_vocabulary_builds_waits_for_the_build(tmp_path):
+    """Cut short, xgrammar's threads building a vocabulary's tables abort the process (SIGABRT: a worker
+    stopped right after it started): its exit waits for the build instead."""
+    built = tmp_path / "built"
+    code = f"""
+import time
+from dynamo_pd.engines.native.grammar import Grammars
+
+def tokenizer_info():
+    time.sleep(1.0)  # the main thread has ended meanwhile
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo(["a", "b", "c"])
+    open({str(built)!r}, "w").close()
+    return info
+
+Grammars(tokenizer_info)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert built.exists(), "the process exited before the vocabulary was built"

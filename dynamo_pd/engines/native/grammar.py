@@ -41,7 +41,9 @@ class Grammars:
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiled: OrderedDict[Guided, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        threading.Thread(target=self._compiler_ready, name="grammar-vocabulary", daemon=True).start()
+        # not a daemon: a process that exits while xgrammar builds the tables (a worker stopped right after it
+        # started) must wait for them; cut short, xgrammar's own threads abort the process (SIGABRT)
+        threading.Thread(target=self._compiler_ready, name="grammar-vocabulary").start()
 
     def _compiler_ready(self) -> xgr.GrammarCompiler:
         with self._lock:
