@@ -79,7 +79,9 @@ case "${1:-}" in
       install_dev
       dev_stamp > "$VENV/.dev-installed"
     fi
-    exec python -m pytest "$@"
+    # Two workers: the whole deployments one after another on one, everything else file by file on the
+    # other (tests/conftest.py). `-n 0` after it runs in one process (for -s or --pdb).
+    exec python -m pytest -n 2 "$@"
     ;;
   *)
     echo "usage: ./dev.sh serve [serve options] | ./dev.sh test [pytest options]" >&2

