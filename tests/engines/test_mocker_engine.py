@@ -53,6 +53,35 @@ async def engines():
         await engine.stop()
 
 
+async def decode_costs(own_work_s: float):
+    """A mocker on a fake clock, each step's delivery taking own_work_s of it: the step costs it measures
+    decoding 4 requests."""
+    clock = FakeClock()
+    engine = MockerEngine(EngineConfig(num_kv_blocks=48, extra={"speedup": 1.0}), clock=clock)
+    deliver = engine._deliver
+
+    def slow_deliver(outputs):
+        clock.t += own_work_s
+        deliver(outputs)
+
+    engine._deliver = slow_deliver
+    await engine.start()
+    try:
+        await asyncio.gather(*[collect(engine, request(f"r{i}", [300 + i] * 64, max_tokens=40))
+                               for i in range(4)])
+        return engine._core.step_costs.costs()
+    finally:
+        await engine.stop()
+
+
+async def test_measured_step_costs_count_the_engines_own_work():
+    """The step costs a mocker reports (the router and the planner predict with them) are what its steps
+    take as its requests see them: the profile's time and the process's own work on the step."""
+    profiled, own_work = await decode_costs(0.0), await decode_costs(1e-3)
+    assert own_work.decode_s - profiled.decode_s == pytest.approx(1e-3, rel=1e-3)
+    assert own_work.decode_s_per_block == pytest.approx(profiled.decode_s_per_block)
+
+
 async def test_the_registry_builds_a_mocker_that_serves_plain_text():
     engine = create_engine("mocker", EngineConfig(num_kv_blocks=8, extra={"speedup": SPEEDUP}))
     await engine.start()

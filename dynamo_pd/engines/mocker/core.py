@@ -121,6 +121,8 @@ class MockerCore(EngineCore):
         self.step_costs = StepCostMeter()
         self.pins: dict[str, list[int]] = {}
         self.step_s = 0.0  # simulated duration of the last step
+        self.step_load = StepLoad(0, 0)  # and what it computed
+        self.onboard_s = 0.0  # the part of step_s copying blocks back from the tiers
         self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     def step(self) -> list[EngineOutput]:
@@ -129,10 +131,10 @@ class MockerCore(EngineCore):
         if not batch:
             self.step_s = 0.0
             return []
-        onboard_s = self._onboarded()
+        self.onboard_s = self._onboarded()
         step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])
-        self.step_costs.observe(StepLoad.of(batch), step_ms / 1e3 / self.speedup)
-        self.step_s = step_ms / 1e3 / self.speedup + onboard_s  # the copies back from the tiers come first
+        self.step_load = StepLoad.of(batch)  # step_costs observes the step once it has taken its time
+        self.step_s = step_ms / 1e3 / self.speedup + self.onboard_s  # the copies back from the tiers come first
         self._write_kv(batch)
         outputs = []
         for seq, n in batch:

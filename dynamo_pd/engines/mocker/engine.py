@@ -164,11 +164,18 @@ class MockerEngine(CoreDriver):
                     log.exception("mocker engine command failed")
             core.expire_handoffs()
             outputs = []
+            started, stepped = self.clock.now(), False
             if core.has_work:
+                core.step_s = 0.0  # stays 0 if the step fails
                 outputs = self._step()
-                if core.step_s:
+                stepped = core.step_s > 0
+                if stepped:
                     await self.clock.sleep(core.step_s)  # the forward pass the profile gives this batch
             self._deliver(outputs)
+            if stepped:
+                # What the step took as its requests see it, this process's own work on it included (the
+                # native engine measures its steps the same way): the router and planner predict with these.
+                core.step_costs.observe(core.step_load, self.clock.now() - started - core.onboard_s)
 
     async def _wait_for_work(self) -> None:
         core = self._core
