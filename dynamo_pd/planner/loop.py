@@ -83,8 +83,8 @@ class Planner:
             self._limits[pool] = Limits(seen.max_num_seqs or 1 << 30, seen.kv_blocks or 1 << 30,
                                         seen.block_size, cfg.chunk_tokens)
         costs = seen.costs
-        ready_steps = 1 + self._ready_s.get(pool, cfg.interval_s) / cfg.interval_s
-        load = self.forecasts[pool].load(costs.output_tokens or 0.0, ready_steps)
+        ready = self._ready_s.get(pool, cfg.interval_s) / cfg.interval_s
+        load = self.forecasts[pool].load(costs.output_tokens or 0.0, ready)
         missing = ("the last scaling to finish" if pool in self._scaling
                    else "a worker to register" if pool not in self._limits
                    else "an interval of load" if load is None

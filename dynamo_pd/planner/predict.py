@@ -3,8 +3,10 @@ output lengths of its requests.
 
     constant   next = the last interval's value (reactive)
     trend      Holt's linear smoothing: a level and a slope, each an exponentially weighted mean of what
-               the intervals showed; next = level + slope (a ramp is met a step early), and a rising
-               rate is planned for when a worker started now would be ready (the last scale-up's time)
+               the intervals showed (the level: the last interval's mean rate, its middle half an interval ago)
+The rate planned for is the highest the forecast expects until the next decision's workers could serve:
+from now (a falling rate: a pool shrunk now serves the rate of now) to an interval and a scale-up's time
+(the last one's) ahead (a rising rate: what was decided now is all there is until then).
 A mean length is updated only by an interval that had requests; the prompts' spread (which the TTFT
 model needs, not just their mean) comes from the last WINDOW requests seen.
 """
@@ -72,14 +74,13 @@ class LoadForecast:
             self.prompt_blocks.update(sum(a.blocks for a in arrivals) / len(arrivals))
             self.recent.extend(a.prefill_tokens for a in arrivals)
 
-    def load(self, output_tokens: float, ready_steps: float = 1.0) -> Load | None:
-        """The next interval's load, at the rate of the next interval or of `ready_steps` intervals ahead
-        (when a worker started now would serve), whichever is higher: a rising load is met when the new
-        worker is ready, a falling one is not shrunk for early. None before any interval was seen."""
-        rate = self.rate.forecast()
-        if rate is None:
+    def load(self, output_tokens: float, ready_intervals: float = 1.0) -> Load | None:
+        """The next interval's load, at the highest rate expected from now until the next decision's
+        workers could serve, `ready_intervals` (a scale-up's time) after the next interval; None before any
+        interval was seen. forecast(k) is the mean of the k-th interval ahead: the rate k - 1/2 ahead."""
+        if self.rate.level is None:
             return None
-        rate = max(rate, self.rate.forecast(ready_steps))
+        rate = max(self.rate.forecast(0.5), self.rate.forecast(1.5 + ready_intervals))
         return Load(rate=rate, prompt_tokens=tuple(self.recent),
                     mean_prompt_tokens=self.prompt_tokens.forecast() or 0.0,
                     prompt_blocks=self.prompt_blocks.forecast() or 0.0, output_tokens=output_tokens)

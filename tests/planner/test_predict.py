@@ -73,14 +73,15 @@ def test_lengths_come_from_intervals_with_requests():
     assert load.prompt_tokens == (3000, 1000) and load.output_tokens == 100.0
 
 
-def test_a_rising_rate_is_planned_for_when_a_new_worker_would_be_ready():
+def test_the_highest_rate_until_the_next_decision_could_act_is_planned_for():
     rising, falling = LoadForecast("trend"), LoadForecast("trend")
     for t in range(20):
         rising.update(1.0, [Arrival(100, 7)] * (2 * t))  # +2 req/s an interval
         falling.update(1.0, [Arrival(100, 7)] * (80 - 2 * t))
-    assert rising.load(10.0).rate == pytest.approx(40.0, abs=0.1)  # the next interval
-    # a worker started now serves 2.5 intervals later: planned for the rate then
-    assert rising.load(10.0, ready_steps=2.5).rate == pytest.approx(43.0, abs=0.1)
-    # falling: the next interval's rate, not the lower one later (shrinking early would miss it)
-    assert falling.load(10.0, ready_steps=2.5).rate == falling.load(10.0).rate == pytest.approx(40.0, abs=0.1)
-    assert falling.rate.forecast(2.5) == pytest.approx(37.0, abs=0.1)
+    assert rising.rate.forecast() == pytest.approx(40.0, abs=0.1)  # the next interval's mean
+    # rising: the rate when the next decision's workers would serve, an interval and a scale-up (1.5
+    # intervals) from now: 3 intervals past the last one's middle
+    assert rising.load(10.0, ready_intervals=1.5).rate == pytest.approx(44.0, abs=0.1)
+    assert rising.load(10.0, ready_intervals=0.0).rate == pytest.approx(41.0, abs=0.1)
+    # falling: the rate of now, half an interval past the last one's middle (a pool shrunk now serves it)
+    assert falling.load(10.0, ready_intervals=1.5).rate == pytest.approx(41.0, abs=0.1)
