@@ -105,12 +105,14 @@ def sinusoid_times(low: float, high: float, period_s: float, periods: int, seed:
 
 def sinusoid_file(out: Path, args: argparse.Namespace, speedup: float) -> tuple[Path, int]:
     """A mooncake_trace file of the sinusoid (timestamps in real ms): each prompt's first block is its own,
-    so no two share a cached prefix; the rest come from a small pool (aiperf builds each block once)."""
-    blocks = math.ceil(args.isl / TRACE_BLOCK_TOKENS)
+    so no two share a cached prefix; the rest come from a small pool (aiperf builds each block once, at one
+    size: a last block shorter than the others is the prompt's own too)."""
+    blocks, partial = math.ceil(args.isl / TRACE_BLOCK_TOKENS), int(args.isl % TRACE_BLOCK_TOKENS != 0)
     pool = 64
     rng = random.Random(args.seed)
     rows = [{"timestamp": round(t * 1e3 / speedup), "input_length": args.isl, "output_length": args.osl,
-             "hash_ids": [pool + i, *(rng.randrange(pool) for _ in range(blocks - 1))]}
+             "hash_ids": [pool + 2 * i, *(rng.randrange(pool) for _ in range(blocks - 1 - partial)),
+                          *[pool + 2 * i + 1] * partial]}
             for i, t in enumerate(sinusoid_times(args.low, args.high, args.period_s, args.periods,
                                                  args.seed))]
     path = out / "sinusoid_trace.jsonl"

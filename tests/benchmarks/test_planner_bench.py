@@ -33,6 +33,9 @@ def test_the_trace_file_gives_every_prompt_its_own_first_block_in_real_milliseco
     assert all(r["input_length"] == 1100 and r["output_length"] == 50 for r in rows)
     assert all(len(r["hash_ids"]) == math.ceil(1100 / 512) for r in rows)
     assert len({r["hash_ids"][0] for r in rows}) == n  # no two prompts share a cached prefix
+    # aiperf builds each block once, at one size: 1,100 = 2 x 512 + 76, so each prompt's last block is its own
+    lasts = [r["hash_ids"][-1] for r in rows]
+    assert len(set(lasts)) == n and not set(lasts) & {h for r in rows for h in r["hash_ids"][:-1]}
     simulated = sinusoid_times(1.0, 8.0, 20.0, 1, 3)
     assert [r["timestamp"] for r in rows] == [round(t * 1e3 / 0.5) for t in simulated]  # half speed: twice as long
 
