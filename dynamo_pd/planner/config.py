@@ -25,7 +25,7 @@ class PlannerConfig:
     budget: int = 8  # workers in all pools together
     minimum: dict[str, int] = field(default_factory=dict)  # per pool; absent: 1
     maximum: dict[str, int] = field(default_factory=dict)  # per pool; absent: the budget
-    cooldown_s: float = 30.0  # a pool shrinks only this long after its last change
+    cooldown_s: float = 30.0  # a pool shrinks only this long after it last grew
     chunk_tokens: int = 2048  # the workers' --max-num-batched-tokens (prefill tokens per step)
     record: Path | None = None  # every interval's observation, prediction and decision, as JSON lines
 
@@ -55,7 +55,7 @@ def add_planner_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-workers", action="append", default=[], metavar="POOL=N",
                    help="a pool's most workers (default --budget), e.g. decode=6; repeatable")
     g.add_argument("--cooldown-s", type=float, default=PlannerConfig.cooldown_s,
-                   help="a pool shrinks only this long after its last change (default %(default)s)")
+                   help="a pool shrinks only this long after it last grew (default %(default)s)")
     g.add_argument("--planner-record", type=Path, default=None, metavar="PATH",
                    help="append every interval's observation, prediction and decision to PATH as JSON lines")
 

@@ -5,8 +5,9 @@ the share of requests within it) and --itl-slo (decode and aggregated pools: ITL
 quantile). A pool whose SLO no count meets gets its maximum, and the decision says so (unmeetable).
 Together the pools stay within the budget: when their needs exceed it, each keeps its minimum and
 the rest goes, a worker at a time, to the pool furthest short of its need (unmeetable too: the
-planner holds the budget's maximum). A pool shrinks only `cooldown_s` after its last change, so a
-load that swings around a threshold moves it at most once a cool-down; it grows at once.
+planner holds the budget's maximum). A pool shrinks only `cooldown_s` after it last grew, so a load
+that swings around a threshold turns it at most once a cool-down; it grows at once, and a falling load
+shrinks it interval after interval.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class PoolPlan:
     maximum: int
     model: PoolModel | None  # None: too little known yet to predict
     waiting_for: str = ""  # why model is None
-    last_change: float | None = None  # clock time of the pool's last change
+    last_growth: float | None = None  # clock time the pool last grew
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,10 @@ def decide(plans: list[PoolPlan], budget: int, slo: Slo, cooldown_s: float, now:
                 why[plan.pool] = (f"SLO unmeetable within the budget: it needs {wanted} workers, over "
                                   f"--budget {budget}; holding the budget's maximum")
     for plan in plans:
-        cooling = plan.last_change is not None and now - plan.last_change < cooldown_s
+        cooling = plan.last_growth is not None and now - plan.last_growth < cooldown_s
         if targets[plan.pool] < plan.current and cooling:
-            why[plan.pool] = (f"cool-down: {needs[plan.pool]} would do, but the last change was "
-                              f"{now - plan.last_change:.0f} s ago (< {cooldown_s:g} s)")
+            why[plan.pool] = (f"cool-down: {needs[plan.pool]} would do, but the pool grew "
+                              f"{now - plan.last_growth:.0f} s ago (< {cooldown_s:g} s)")
             targets[plan.pool] = plan.current
     # a pool held by its cool-down keeps workers another pool's growth would have taken from the budget
     for plan in sorted(plans, key=lambda p: targets[p.pool] - p.current, reverse=True):

@@ -35,7 +35,7 @@ class Planner:
         self._clock = clock
         self.forecasts = {pool: LoadForecast(config.predictor) for pool in config.pools}
         self._limits: dict[str, Limits] = {}  # last known, kept while a pool has no worker
-        self._last_change: dict[str, float] = {}
+        self._last_growth: dict[str, float] = {}  # the cool-down's start: a shrink after a shrink is no flap
         self._scaling: dict[str, asyncio.Task] = {}
         # per pool, how long its last growth took until the new workers registered (one interval until seen)
         self._ready_s: dict[str, float] = {}
@@ -101,10 +101,11 @@ class Planner:
                               prefills=prefills, decodes=decodes, horizon_s=cfg.interval_s,
                               attainment=cfg.attainment)
         return PoolPlan(pool, current, cfg.min_workers(pool), cfg.max_workers(pool), model, missing,
-                        self._last_change.get(pool)), load
+                        self._last_growth.get(pool)), load
 
     def _scale(self, decision: Decision) -> None:
-        self._last_change[decision.pool] = self._clock()
+        if decision.change > 0:
+            self._last_growth[decision.pool] = self._clock()
         task = asyncio.create_task(self._carry_out(decision))
         self._scaling[decision.pool] = task
 
@@ -116,7 +117,8 @@ class Planner:
                 self._ready_s[decision.pool] = self._clock() - started
         except ConnectorError as exc:
             self.metrics.connector_errors.labels(decision.pool).inc()
-            self._last_change.pop(decision.pool, None)  # nothing changed: no cool-down either
+            if decision.change > 0:
+                self._last_growth.pop(decision.pool, None)  # nothing grew: no cool-down either
             log.error("planner %s: scaling %d -> %d failed, the pool is as it was; deciding again in %g s: "
                       "%s", decision.pool, decision.current, decision.target, self.config.interval_s, exc)
         finally:

@@ -17,10 +17,10 @@ def decode(rate: float) -> PoolModel:
                      State(), LIMITS, prefills=False, decodes=True, horizon_s=10.0, attainment=0.95)
 
 
-def plans(p_rate: float, d_rate: float, current=(1, 1), last_change=(None, None), maximum=8
+def plans(p_rate: float, d_rate: float, current=(1, 1), last_growth=(None, None), maximum=8
           ) -> list[PoolPlan]:
-    return [PoolPlan("prefill", current[0], 1, maximum, prefill(p_rate), last_change=last_change[0]),
-            PoolPlan("decode", current[1], 1, maximum, decode(d_rate), last_change=last_change[1])]
+    return [PoolPlan("prefill", current[0], 1, maximum, prefill(p_rate), last_growth=last_growth[0]),
+            PoolPlan("decode", current[1], 1, maximum, decode(d_rate), last_growth=last_growth[1])]
 
 
 def by_pool(decisions):
@@ -57,18 +57,18 @@ def test_budget_caps_the_pools_together():
 
 
 def test_cool_down_holds_a_shrink_not_a_growth():
-    held = by_pool(decide(plans(1.0, 24.0, current=(4, 1), last_change=(90.0, 90.0)), budget=16, slo=SLO,
+    held = by_pool(decide(plans(1.0, 24.0, current=(4, 1), last_growth=(90.0, 90.0)), budget=16, slo=SLO,
                           cooldown_s=30, now=100))
     assert held["prefill"].target == 4 and "cool-down: 1 would do" in held["prefill"].reason
     assert held["decode"].target > 1  # growing is never held
-    later = by_pool(decide(plans(1.0, 24.0, current=(4, 1), last_change=(90.0, 90.0)), budget=16, slo=SLO,
+    later = by_pool(decide(plans(1.0, 24.0, current=(4, 1), last_growth=(90.0, 90.0)), budget=16, slo=SLO,
                            cooldown_s=30, now=121))
     assert later["prefill"].target == 1 and later["prefill"].reason.startswith("down 4 -> 1")
 
 
 def test_cool_down_and_budget_together():
     # prefill may not shrink yet (cool-down) and holds 4 of 5: decode grows only into what is left
-    decisions = by_pool(decide(plans(1.0, 60.0, current=(4, 1), last_change=(95.0, None)), budget=5, slo=SLO,
+    decisions = by_pool(decide(plans(1.0, 60.0, current=(4, 1), last_growth=(95.0, None)), budget=5, slo=SLO,
                                cooldown_s=30, now=100))
     assert (decisions["prefill"].target, decisions["decode"].target) == (4, 1)
     assert decisions["decode"].unmeetable and "budget" in decisions["decode"].reason

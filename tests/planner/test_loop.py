@@ -169,6 +169,25 @@ async def test_load_grows_the_pools_it_needs(running, api, caplog):
     assert rate == pytest.approx(24.0)
 
 
+async def test_the_cool_down_follows_a_growth_not_a_shrink(running, api):
+    """A falling load shrinks a pool interval after interval; only a growth starts the cool-down (a shrink
+    right after one would be the flap it bounds)."""
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock, cooldown_s=30.0, predictor="constant")
+    targets = []
+    for requests, seconds in ((240, 10.0), (480, 40.0), (10, 10.0)):  # 24, then 12 (over 40 s), then 1 req/s
+        await interval(deployment, observer, clock, requests=requests, seconds=seconds)
+        targets.append({d.pool: d.target for d in await planner.step()}["prefill"])
+        await planner.wait_scaling()
+    assert targets[0] > targets[1] > targets[2] == 1, targets  # the last, 10 s after a shrink: not held
+    await interval(deployment, observer, clock, requests=240)  # grows again: 10 s later a fall is held
+    grown = {d.pool: d for d in await planner.step()}["prefill"]
+    await planner.wait_scaling()
+    await interval(deployment, observer, clock, requests=10)
+    held = {d.pool: d for d in await planner.step()}["prefill"]
+    assert grown.target > 1 and held.target == grown.target and "cool-down" in held.reason
+
+
 async def test_an_slo_the_budget_cannot_meet_holds_its_maximum(running, api, caplog):
     deployment, observer, connector, clock = running
     planner = planner_for(observer, connector, clock, ttft_slo_s=0.05, budget=5)  # a prompt alone takes 75 ms
