@@ -170,6 +170,7 @@ def simulate(policy: str, workload: Workload, profile: Profile, num_blocks: int,
             break
         w = min(ends, key=lambda w: ends[w][0])
         now, outputs = ends.pop(w)
+        cores[w].step_taken(cores[w].step_s)  # on simulated time a step takes what the profile says
         for out in outputs:
             if out.request_id not in ttft:
                 ttft[out.request_id] = now - sent[out.request_id]

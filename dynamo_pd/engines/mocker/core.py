@@ -133,7 +133,7 @@ class MockerCore(EngineCore):
             return []
         self.onboard_s = self._onboarded()
         step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])
-        self.step_load = StepLoad.of(batch)  # step_costs observes the step once it has taken its time
+        self.step_load = StepLoad.of(batch)  # learnt from once the step has taken its time (step_taken)
         self.step_s = step_ms / 1e3 / self.speedup + self.onboard_s  # the copies back from the tiers come first
         self._write_kv(batch)
         outputs = []
@@ -152,6 +152,12 @@ class MockerCore(EngineCore):
                 else:
                     outputs.append(self._append(choice, *self._sample(choice)))
         return outputs
+
+    def step_taken(self, seconds: float) -> None:
+        """The last step took `seconds` as its requests saw it (the profile's time and this process's own
+        work on it, as the native engine measures its steps): what step_costs learns from, for the router
+        and the planner."""
+        self.step_costs.observe(self.step_load, seconds - self.onboard_s)
 
     def _score_prompt(self, seq: Sequence) -> None:
         """Stand-in logprobs of the prompt tokens computed so far (position p's logits score token p + 1)."""

@@ -173,9 +173,7 @@ class MockerEngine(CoreDriver):
                     await self.clock.sleep(core.step_s)  # the forward pass the profile gives this batch
             self._deliver(outputs)
             if stepped:
-                # What the step took as its requests see it, this process's own work on it included (the
-                # native engine measures its steps the same way): the router and planner predict with these.
-                core.step_costs.observe(core.step_load, self.clock.now() - started - core.onboard_s)
+                core.step_taken(self.clock.now() - started)
 
     async def _wait_for_work(self) -> None:
         core = self._core
