@@ -13,8 +13,10 @@ pytest.importorskip("mistralrs", reason="mistralrs is not installed (pip install
 
 
 def test_mistralrs_serves_chat_and_completions_streamed_and_not(tmp_path, openai_client_factory):
-    # mistral.rs reports no load: ready once /ready says a worker serves the model
-    deployment = start_deployment(tmp_path, "--aggregated", "1", "--engine", "mistralrs", workers_expected=0)
+    # mistral.rs reports no load: ready once /ready says a worker serves the model. No health canaries: on a host
+    # busy with other tests one missed its 10 s bound and took the only worker out of routing mid-test.
+    deployment = start_deployment(tmp_path, "--aggregated", "1", "--engine", "mistralrs",
+                                  "--health-check-interval-s", "0", workers_expected=0)
     try:
         deployment.wait_for(lambda: deployment.get("/ready")[0] == 200, 300, "the mistral.rs worker up")
         client = openai_client_factory(deployment)
