@@ -46,41 +46,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.line(line)
 
 
-# Deployment files the worker running everything else takes once it is done with that (the rest of the
-# deployments take longer than the other tests): about 9 of their 41 minutes on 2 cores.
-_LATE_DEPLOYMENTS = ("tests/e2e/test_serving.py", "tests/e2e/test_structured.py")
-
-
-def _xdist_unit(nodeid: str) -> tuple[int, str]:
-    """What one pytest-xdist worker takes at a time, and when: the whole deployments (e2e) together, first,
-    since they take both cores between them; anything else by its file (a file's module fixtures start once);
-    last, the late deployments."""
-    path = nodeid.split("::")[0]
-    if path in _LATE_DEPLOYMENTS:
-        return 2, "late deployments"
-    if Path(path).parent.name == "e2e" or Path(path).stem.endswith("e2e"):
-        return 0, "deployments"
-    return 1, path
+def _xdist_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker takes at a time: all the whole deployments (e2e) together, since they
+    take both cores between them; anything else by its file (a file's module fixtures start once)."""
+    path = Path(nodeid.split("::")[0])
+    return "deployments" if path.parent.name == "e2e" or path.stem.endswith("e2e") else str(path)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`./dev.sh test` runs two workers: one runs the deployments one after another from the start, the
-    other everything else, then the late deployments (in the collection's order, sorted below)."""
+    """`./dev.sh test` runs two workers: one runs the deployments one after another from the start (they
+    come first in the collection, below), the other everything else, file by file."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _xdist_unit(nodeid)[1]
+            return _xdist_unit(nodeid)
 
     config.option.loadscopereorder = False  # keep the collection's order of units
     return Scheduling(config, log)
 
 
-@pytest.hookimpl(trylast=True)  # after tests/e2e/conftest.py's order, which this keeps within each unit
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # a pytest-xdist worker
-        items.sort(key=lambda item: _xdist_unit(item.nodeid)[0])  # stable
+        items.sort(key=lambda item: _xdist_unit(item.nodeid) != "deployments")  # stable
 
 
 @pytest.fixture(scope="session")
