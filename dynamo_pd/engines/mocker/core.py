@@ -126,10 +126,10 @@ class MockerCore(EngineCore):
         self._keys: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     def step(self) -> list[EngineOutput]:
+        self.step_s = 0.0  # stays 0 without a batch, or if the step fails
         batch = self.scheduler.schedule()
         self.stalled = not batch
         if not batch:
-            self.step_s = 0.0
             return []
         self.onboard_s = self._onboarded()
         step_ms = self.profile.step_ms([(n, seq.num_computed_tokens) for seq, n in batch])

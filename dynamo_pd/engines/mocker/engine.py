@@ -166,7 +166,6 @@ class MockerEngine(CoreDriver):
             outputs = []
             started, stepped = self.clock.now(), False
             if core.has_work:
-                core.step_s = 0.0  # stays 0 if the step fails
                 outputs = self._step()
                 stepped = core.step_s > 0
                 if stepped:
