@@ -38,6 +38,10 @@ class LoadUpdate(msgspec.Struct, array_like=True, frozen=True):
     worker_id: WorkerId = ""
     prefill_tokens: int = 0
     blocks: int = 0
+    # "finish" of a request that streamed to its end: what its client saw, as the frontend measured it
+    # (the planner's observed latencies); 0: not measured
+    ttft_s: float = 0.0
+    itl_s: float = 0.0  # the mean between its output tokens
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -56,11 +60,13 @@ class ReplicaSync:
         self._remote: OrderedDict[LoadKey, float] = OrderedDict()  # remote placement key -> expiry, oldest first
 
     def publish(
-        self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0
+        self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0,
+        ttft_s: float = 0.0, itl_s: float = 0.0,
     ) -> None:
         self.expire()
         wire_key = f"{key.role.value}:{key.request_id}"
-        self._send(_encoder.encode(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks)))
+        self._send(_encoder.encode(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks,
+                                              ttft_s, itl_s)))
 
     def apply(self, data: bytes) -> None:
         try:

@@ -158,9 +158,10 @@ class Placement:
         self._router.mark_finished(self.request_id, role)
         return self._router.worker_failed(self.routes[role].worker_id)
 
-    def finished(self) -> None:
-        """Done, aborted or failed: every worker's predicted load for it leaves (again is harmless)."""
-        self._router.mark_finished(self.request_id)
+    def finished(self, ttft_s: float = 0.0, itl_s: float = 0.0) -> None:
+        """Done, aborted or failed: every worker's predicted load for it leaves (again is harmless). A
+        request that streamed to its end gives the TTFT and mean ITL its client saw (the planner's)."""
+        self._router.mark_finished(self.request_id, ttft_s=ttft_s, itl_s=itl_s)
 
 
 class KvRouter:
@@ -349,10 +350,11 @@ class KvRouter:
             if self.load.prefill_done(key) and self._sync is not None:
                 self._sync.publish("prefill_done", key)
 
-    def mark_finished(self, request_id: str, pool: Role | str | None = None) -> None:
+    def mark_finished(self, request_id: str, pool: Role | str | None = None, ttft_s: float = 0.0,
+                      itl_s: float = 0.0) -> None:
         for key in self._keys(request_id, pool):
             if self.load.finish(key) and self._sync is not None:
-                self._sync.publish("finish", key)
+                self._sync.publish("finish", key, ttft_s=ttft_s, itl_s=itl_s)
 
     def update_load_metrics(self, metrics: LoadMetrics) -> None:
         if metrics.worker_id in self._pool_of:

@@ -203,7 +203,7 @@ class RemoteBackend:
                         "dynamo_pd.tokens_sent": len(journey.sent)})
                     placement, attempt = self._move(journey, failure, out_s, span)
         finally:
-            placement.finished()
+            placement.finished(*journey.latencies())
             tracing.end(span)
 
     def _place(self, journey: Journey, span: Any = tracing.NOOP) -> tuple[Placement, EngineRequest]:

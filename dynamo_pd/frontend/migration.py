@@ -23,6 +23,7 @@ never migrated: a resumed request continues one sequence): it ends with the work
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -68,6 +69,9 @@ class Journey:
     moves: int = 0
     finished: bool = False  # the client has the final output: a failure after it loses nothing
     drained: str | None = None  # the worker that failed it last, when it failed it by draining
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None  # when the client's first token left, and its last
+    last_token_at: float | None = None
 
     def attempt(self) -> EngineRequest:
         """The request as the next worker gets it: its own id after a move (workers that saw the first
@@ -82,6 +86,9 @@ class Journey:
 
     def sent_output(self, out: EngineOutput) -> EngineOutput:
         """Record an output on its way to the client; after a migration its usage is the whole request's."""
+        if out.token_ids:
+            self.last_token_at = time.monotonic()
+            self.first_token_at = self.first_token_at or self.last_token_at
         self.sent += out.token_ids
         self.finished = out.ends
         if self.moves and out.usage is not None:
@@ -90,6 +97,15 @@ class Journey:
                 prompt_tokens=prompt, completion_tokens=len(self.sent),
                 cached_tokens=min(out.usage.cached_tokens, prompt)))
         return out
+
+    def latencies(self) -> tuple[float, float]:
+        """(TTFT, mean ITL) the client saw, once it has the whole answer; 0 where it has not or (ITL) one
+        token."""
+        if not self.finished or self.first_token_at is None:
+            return 0.0, 0.0
+        gaps = len(self.sent) - 1
+        return (self.first_token_at - self.started,
+                (self.last_token_at - self.first_token_at) / gaps if gaps > 0 else 0.0)
 
     def why_not(self, failure: WorkerFailure) -> str | None:
         """Why the request cannot move after `failure`; None: it can (the router may still find no worker)."""

@@ -1,5 +1,11 @@
 """The planner's loop: every interval observe, predict, model, decide, and have the connector carry it out.
 
+Before it models the next interval, it checks the model against the one that ended: what the requests that
+ended in it measured (the median TTFT and ITL, OFFSET_MIN_REQUESTS at least; the ITL at the attainment
+quantile, from enough requests to have a few beyond it), minus what the model gives for that interval's own
+arrivals, its state at the start and its workers, is what the model misses; an exponentially weighted mean
+of it (OFFSET_WEIGHT) is added to what the model predicts (model.Offsets).
+
 Each decision is one log line with its reason (WARNING when the SLO cannot be met), the metrics of
 dynamo_pd.planner.metrics and, with --planner-record, a JSON line. A pool whose last scaling call is still
 running is held (its count already includes the workers starting); a call that fails is logged, counted
@@ -9,22 +15,26 @@ and, since the pool is as it was, decided again at the next interval.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 
 from dynamo_pd.planner.config import PlannerConfig
 from dynamo_pd.planner.connectors import Connector, ConnectorError
 from dynamo_pd.planner.decide import Decision, PoolPlan, Slo, decide
 from dynamo_pd.planner.metrics import PlannerMetrics
-from dynamo_pd.planner.model import Costs, Limits, Load, PoolModel, State
+from dynamo_pd.planner.model import Costs, Limits, Load, Offsets, PoolModel, State
 from dynamo_pd.planner.observe import Observer, PoolObservation
 from dynamo_pd.planner.predict import LoadForecast
 
 log = logging.getLogger("dynamo_pd.planner")
+
+OFFSET_MIN_REQUESTS = 5  # an interval's measured median counts from this many requests
+OFFSET_WEIGHT = 0.5  # the newest interval's weight in an offset
 
 
 class Planner:
@@ -40,6 +50,8 @@ class Planner:
         # per pool, how long its last growth took until the new workers registered (one interval until seen)
         self._ready_s: dict[str, float] = {}
         self._slo = Slo(config.ttft_slo_s, config.itl_slo_s)
+        self._state: dict[str, State] = {}  # per pool, at the start of the interval now ending
+        self.offsets: dict[str, Offsets] = {}
 
     async def run(self) -> None:
         self.observer.collect(self.config.pools)  # the first interval starts now
@@ -67,9 +79,10 @@ class Planner:
         for decision in decisions:
             seen = observations[decision.pool]
             log.log(logging.WARNING if decision.unmeetable else logging.INFO,
-                    "planner %s: %s (%d requests in %.0f s)", decision.pool, decision.reason,
-                    len(seen.arrivals), seen.interval_s)
-            self.metrics.record(decision, loads[decision.pool], len(seen.workers))
+                    "planner %s: %s (%d requests in %.0f s%s)", decision.pool, decision.reason,
+                    len(seen.arrivals), seen.interval_s, self._measured(seen))
+            self.metrics.record(decision, loads[decision.pool], len(seen.workers), _median(seen.ttfts),
+                                _median(seen.itls))
             if decision.change:
                 self._scale(decision)
         if self.config.record is not None:
@@ -83,6 +96,7 @@ class Planner:
             self._limits[pool] = Limits(seen.max_num_seqs or 1 << 30, seen.kv_blocks or 1 << 30,
                                         seen.block_size, cfg.chunk_tokens)
         costs = seen.costs
+        state, self._state[pool] = self._state.get(pool, State()), State(seen.queued_prefill_tokens, seen.running)
         ready = self._ready_s.get(pool, cfg.interval_s) / cfg.interval_s
         load = self.forecasts[pool].load(costs.output_tokens or 0.0, ready)
         missing = ("the last scaling to finish" if pool in self._scaling
@@ -97,11 +111,38 @@ class Planner:
         if not missing:
             step = Costs(costs.prefill_s_per_token or 0.0, costs.decode_s or 0.0,
                          costs.decode_s_per_block or 0.0)
-            model = PoolModel(step, load, State(seen.queued_prefill_tokens, seen.running), self._limits[pool],
-                              prefills=prefills, decodes=decodes, horizon_s=cfg.interval_s,
-                              attainment=cfg.attainment)
+            model = PoolModel(step, load, self._state[pool], self._limits[pool], prefills=prefills,
+                              decodes=decodes, horizon_s=cfg.interval_s, attainment=cfg.attainment)
+            self._calibrate(seen, dataclasses.replace(model, load=_observed_load(seen, load), state=state))
+            model = dataclasses.replace(model, offsets=self.offsets[pool])
         return PoolPlan(pool, current, cfg.min_workers(pool), cfg.max_workers(pool), model, missing,
                         self._last_growth.get(pool)), load
+
+    def _calibrate(self, seen: PoolObservation, past: PoolModel) -> None:
+        """Update the pool's offsets from the interval that ended, `past` its model (without offsets)."""
+        o, n = self.offsets.get(seen.pool, Offsets()), len(seen.workers)
+        if n and past.prefills and len(seen.ttfts) >= OFFSET_MIN_REQUESTS:
+            o = dataclasses.replace(o, ttft_p50=_weigh(o.ttft_p50, _median(seen.ttfts) - past.ttft_p50(n)))
+        if n and past.decodes and len(seen.itls) >= OFFSET_MIN_REQUESTS:
+            mean, quantile = past.itl(n)
+            o = dataclasses.replace(o, itl_mean=_weigh(o.itl_mean, _median(seen.itls) - mean))
+            ranked = sorted(seen.itls)
+            beyond = len(ranked) * (1 - past.attainment)  # requests past the quantile
+            if beyond >= 2:
+                measured = ranked[min(len(ranked) - 1, int(past.attainment * len(ranked)))]
+                o = dataclasses.replace(o, itl_quantile=_weigh(o.itl_quantile, measured - quantile))
+        self.offsets[seen.pool] = o
+
+    def _measured(self, seen: PoolObservation) -> str:
+        """The log line's account of what the interval's requests measured, and the offsets."""
+        o, text = self.offsets.get(seen.pool, Offsets()), ""
+        if seen.ttfts:
+            text += f"; measured TTFT p50 {_median(seen.ttfts) * 1e3:.1f} ms over {len(seen.ttfts)} requests"
+        if seen.itls:
+            text += f"; measured ITL p50 {_median(seen.itls) * 1e3:.2f} ms over {len(seen.itls)}"
+        known = [f"{what} {value * 1e3:+.2f} ms" for what, value in (
+            ("TTFT", o.ttft_p50), ("ITL", o.itl_mean), ("ITL quantile", o.itl_quantile)) if value is not None]
+        return text + (f"; offsets {', '.join(known)}" if known else "")
 
     def _scale(self, decision: Decision) -> None:
         if decision.change > 0:
@@ -134,12 +175,36 @@ class Planner:
             for d in decisions:
                 seen, load = observations[d.pool], loads[d.pool]
                 prediction = None if d.prediction is None else {
-                    k: None if v is None or math.isinf(v) else v for k, v in asdict(d.prediction).items()}
+                    k: None if v is None or math.isinf(v) else v for k, v in dataclasses.asdict(d.prediction).items()}
                 out.write(json.dumps({
                     "time": time.time(), "pool": d.pool, "current": d.current, "target": d.target,
                     "registered": len(seen.workers), "arrivals": len(seen.arrivals),
                     "interval_s": seen.interval_s,
                     "queued_prefill_tokens": seen.queued_prefill_tokens, "running": seen.running,
+                    "measured_ttft_p50": _median(seen.ttfts), "measured_itl_p50": _median(seen.itls),
+                    "offsets": dataclasses.asdict(self.offsets.get(d.pool, Offsets())),
                     "predicted_rate": None if load is None else load.rate,
                     "predicted_prompt_tokens": None if load is None else load.mean_prompt_tokens,
                     "prediction": prediction, "unmeetable": d.unmeetable, "reason": d.reason}) + "\n")
+
+
+def _median(values: tuple[float, ...]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _weigh(offset: float | None, error: float) -> float | None:
+    """The offset after an interval whose measured median missed the model's by `error` (inf: the model
+    says the pool could not keep up, which tells nothing of the offset)."""
+    if not math.isfinite(error):
+        return offset
+    return error if offset is None else OFFSET_WEIGHT * error + (1 - OFFSET_WEIGHT) * offset
+
+
+def _observed_load(seen: PoolObservation, planned: Load) -> Load:
+    """The load the interval that ended had: its own arrivals (planned's lengths where it had none)."""
+    if not seen.arrivals:
+        return dataclasses.replace(planned, rate=0.0)
+    tokens = tuple(a.prefill_tokens for a in seen.arrivals)
+    return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, prompt_tokens=tokens,
+                               mean_prompt_tokens=sum(tokens) / len(tokens),
+                               prompt_blocks=sum(a.blocks for a in seen.arrivals) / len(tokens))

@@ -6,6 +6,9 @@
   dynamo_pd_planner_predicted_ttft_attainment        the predicted share of requests within --ttft-slo
   dynamo_pd_planner_predicted_itl_seconds            the predicted mean ITL
   dynamo_pd_planner_predicted_itl_quantile_seconds   the predicted ITL at the --slo-attainment quantile
+  dynamo_pd_planner_measured_ttft_seconds            the median TTFT of the requests that ended in the
+                                                     interval (as their frontends measured it)
+  dynamo_pd_planner_measured_itl_seconds             their median ITL
   dynamo_pd_planner_replicas                         the count chosen (serving and starting workers)
   dynamo_pd_planner_registered_workers               workers registered in discovery
   dynamo_pd_planner_decisions_total{action}          up, down, hold
@@ -43,6 +46,8 @@ class PlannerMetrics:
         self.ttft_attainment = gauge("predicted_ttft_attainment", "Predicted share within the TTFT SLO")
         self.itl = gauge("predicted_itl_seconds", "Predicted mean ITL at the chosen worker count")
         self.itl_quantile = gauge("predicted_itl_quantile_seconds", "Predicted ITL at the SLO's quantile")
+        self.measured_ttft = gauge("measured_ttft_seconds", "Median TTFT of the requests ended, last interval")
+        self.measured_itl = gauge("measured_itl_seconds", "Median ITL of the requests ended, last interval")
         self.replicas = gauge("replicas", "Workers chosen (serving and starting)")
         self.registered = gauge("registered_workers", "Workers registered in discovery")
         self.unmeetable = gauge("slo_unmeetable", "1 while the SLO cannot be met within limits and budget")
@@ -57,8 +62,13 @@ class PlannerMetrics:
             for family in (self.unmeetable, self.unmeetable_total, self.connector_errors):
                 family.labels(pool)
 
-    def record(self, decision: Decision, load: Load | None, registered: int) -> None:
+    def record(self, decision: Decision, load: Load | None, registered: int, ttft_s: float | None = None,
+               itl_s: float | None = None) -> None:
+        """`ttft_s`, `itl_s`: measured over the interval (None: no request ended there)."""
         pool = decision.pool
+        for gauge, value in ((self.measured_ttft, ttft_s), (self.measured_itl, itl_s)):
+            if value is not None:
+                gauge.labels(pool).set(value)
         action = "up" if decision.change > 0 else "down" if decision.change < 0 else "hold"
         self.decisions.labels(pool, action).inc()
         self.replicas.labels(pool).set(decision.target)

@@ -19,6 +19,9 @@ ITL (decode and aggregated pools): a decode step of B KV blocks takes d0 + d1 * 
   solved for ITL; a worker of the pool holds N + z * sqrt(N) at the quantile asked for (Poisson
   imbalance), and N relaxes from the requests running now with the time constant out * ITL.
 Beyond what a worker holds (max_num_seqs, KV blocks) or at rho >= 1 the pool cannot keep up: inf.
+Both add what clients measure beyond the model (the frontend and transport, the hand-off's gap before
+the second token, how evenly the router spreads the decode batch): Offsets the planner learns from the
+latencies observed (dynamo_pd.planner.loop), 0 until then.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class State:
 
     queued_prefill_tokens: int = 0
     running: int = 0  # requests decoding
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """Measured minus modelled, seconds, added to what the model predicts; None: not measured yet (0)."""
+
+    ttft_p50: float | None = None  # to every TTFT
+    itl_mean: float | None = None  # to the mean ITL
+    itl_quantile: float | None = None  # to the ITL at the attainment quantile (what decides)
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,7 @@ class PoolModel:
     decodes: bool
     horizon_s: float
     attainment: float  # the share of requests each SLO must hold for (its quantile)
+    offsets: Offsets = Offsets()
 
     def _blocks_per_request(self) -> float:
         return self.load.prompt_blocks + self.load.output_tokens / 2 / self.limits.block_size
@@ -140,8 +153,8 @@ class PoolModel:
         if peak > limits.max_num_seqs or peak * k > _KV_HEADROOM * limits.kv_blocks:
             return math.inf, math.inf
         free = 1 - self._inline_share(n)
-        return ((c.decode_s + c.decode_s_per_block * k * held) / free,
-                (c.decode_s + c.decode_s_per_block * k * peak) / free)
+        return ((c.decode_s + c.decode_s_per_block * k * held) / free + (self.offsets.itl_mean or 0.0),
+                (c.decode_s + c.decode_s_per_block * k * peak) / free + (self.offsets.itl_quantile or 0.0))
 
     def _service(self, n: int) -> tuple[float, float]:
         """(seconds per prefill token, a step's fixed seconds) for a prompt on this pool."""
@@ -173,15 +186,7 @@ class PoolModel:
     def ttft_attainment(self, n: int, slo_s: float) -> float:
         """The share of requests predicted to see TTFT <= slo_s with n workers."""
         terms = self._ttft_terms(n)
-        if terms is None:
-            return 0.0
-        services, backlog, waits, theta = terms
-        within = 0.0
-        for s in services:
-            room = slo_s - backlog - s
-            if room >= 0:
-                within += 1.0 - (waits * math.exp(-room / theta) if theta > 0 else 0.0)
-        return within / len(services)
+        return 0.0 if terms is None else _within(terms, slo_s - (self.offsets.ttft_p50 or 0.0))
 
     def ttft_p50(self, n: int) -> float:
         """The predicted median TTFT with n workers (inf past the pool's capacity)."""
@@ -190,12 +195,12 @@ class PoolModel:
             return math.inf
         services, backlog, _, _ = terms
         low, high = 0.0, backlog + max(services) + 1.0
-        while self.ttft_attainment(n, high) < 0.5:
+        while _within(terms, high) < 0.5:
             high *= 2
         for _ in range(40):  # bisection to well under a millisecond
             mid = (low + high) / 2
-            low, high = (mid, high) if self.ttft_attainment(n, mid) < 0.5 else (low, mid)
-        return high
+            low, high = (mid, high) if _within(terms, mid) < 0.5 else (low, mid)
+        return high + (self.offsets.ttft_p50 or 0.0)
 
     def utilization(self, n: int) -> float:
         per_token, fixed = self._service(n)
@@ -210,3 +215,14 @@ class PoolModel:
         if self.prefills and self.ttft_attainment(n, ttft_slo_s) < self.attainment:
             return False
         return not self.decodes or self.itl(n)[1] <= itl_slo_s
+
+
+def _within(terms: tuple[list[float], float, float, float], t: float) -> float:
+    """The share of requests whose modelled TTFT (backlog + service + wait, _ttft_terms) is <= t."""
+    services, backlog, waits, theta = terms
+    within = 0.0
+    for s in services:
+        room = t - backlog - s
+        if room >= 0:
+            within += 1.0 - (waits * math.exp(-room / theta) if theta > 0 else 0.0)
+    return within / len(services)

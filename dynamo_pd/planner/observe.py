@@ -5,7 +5,8 @@
   <namespace>.router.load      every placement a frontend's router makes (router.replica_sync.LoadUpdate,
                                which frontends already publish for each other): the arrivals on each pool,
                                with the uncached prompt tokens the chosen worker computes, the prompt's
-                               blocks
+                               blocks; and each request's end, with the TTFT and ITL its client saw
+                               (TTFT: its prefill or aggregated pool's; ITL: its decode or aggregated one's)
   <namespace>.load             each worker's LoadMetrics every report interval: prefill tokens queued,
                                requests running, and the step costs it measured (router.load.StepCosts)
 Subscribing is what the frontend does, so the planner sees exactly the load its routers act on, from
@@ -58,6 +59,8 @@ class PoolObservation:
     queued_prefill_tokens: int  # now, over the pool's workers
     running: int  # requests running or waiting on them, now
     costs: PoolCosts
+    ttfts: tuple[float, ...] = ()  # seconds, of the requests that ended during the interval
+    itls: tuple[float, ...] = ()  # their mean ITLs
     max_num_seqs: int = 0  # of one worker (the least in the pool); 0: no worker registered
     kv_blocks: int = 0
     block_size: int = 0
@@ -71,6 +74,7 @@ class Observer:
         self.membership = Membership(discovery, self._joined, self._left)
         self._reports: dict[str, LoadMetrics] = {}
         self._arrivals: dict[str, list[Arrival]] = {}
+        self._latencies: dict[str, tuple[list[float], list[float]]] = {}  # pool -> (TTFTs, ITLs)
         self._costs: dict[str, PoolCosts] = {}
         self._since = clock()
         self._tasks: list[asyncio.Task] = []
@@ -103,6 +107,12 @@ class Observer:
             pool, _, _ = update.key.partition(":")
             if update.kind == "place":
                 self._arrivals.setdefault(pool, []).append(Arrival(update.prefill_tokens, update.blocks))
+            elif update.kind == "finish":
+                ttfts, itls = self._latencies.setdefault(pool, ([], []))
+                if update.ttft_s > 0 and pool != "decode":
+                    ttfts.append(update.ttft_s)
+                if update.itl_s > 0 and pool != "prefill":
+                    itls.append(update.itl_s)
 
     def registered(self, pool: str) -> list[WorkerInfo]:
         return [w for w in self.membership.workers.values() if w.role.value == pool]
@@ -112,9 +122,12 @@ class Observer:
         now = self._clock()
         interval, self._since = now - self._since, now
         arrivals, self._arrivals = self._arrivals, {}
-        return {pool: self._observe(pool, interval, arrivals.get(pool, [])) for pool in pools}
+        latencies, self._latencies = self._latencies, {}
+        return {pool: self._observe(pool, interval, arrivals.get(pool, []), latencies.get(pool, ([], [])))
+                for pool in pools}
 
-    def _observe(self, pool: str, interval_s: float, arrivals: list[Arrival]) -> PoolObservation:
+    def _observe(self, pool: str, interval_s: float, arrivals: list[Arrival],
+                 latencies: tuple[list[float], list[float]]) -> PoolObservation:
         workers = self.registered(pool)
         reports = [self._reports[w.worker_id] for w in workers if w.worker_id in self._reports]
         self._costs[pool] = costs = self._pool_costs(self._costs.get(pool, PoolCosts()), reports)
@@ -122,6 +135,7 @@ class Observer:
             pool=pool, interval_s=interval_s, workers=tuple(sorted(w.worker_id for w in workers)),
             arrivals=tuple(arrivals), queued_prefill_tokens=sum(r.active_prefill_tokens for r in reports),
             running=sum(r.num_running + r.num_waiting for r in reports), costs=costs,
+            ttfts=tuple(latencies[0]), itls=tuple(latencies[1]),
             max_num_seqs=min((w.max_num_seqs for w in workers if w.max_num_seqs), default=0),
             kv_blocks=min((r.num_total_blocks for r in reports if r.num_total_blocks), default=0)
             or min((w.num_kv_blocks for w in workers if w.num_kv_blocks), default=0),

@@ -16,6 +16,7 @@ from dynamo_pd.metrics import Metrics
 from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, StopConditions, Usage, WorkerInfo
 from dynamo_pd.runtime import RequestContext, RpcServer
 from dynamo_pd.runtime.errors import StreamStalledError, WorkerGoneError
+from router.replica_sync import LoadUpdate, ReplicaSync
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
 
@@ -185,3 +186,27 @@ async def test_a_request_moves_at_most_migration_limit_times(deployment):
     with pytest.raises(WorkerGoneError):
         await run(backend)
     assert count(backend.metrics.migrations, "worker_gone") == 2
+
+
+async def test_a_request_that_streamed_to_its_end_reports_what_its_client_saw(deployment):
+    """The router's finish carries the TTFT and mean ITL the client saw (the planner's measurements), after
+    a migration too; a request that failed reports none."""
+    updates = []
+    for workers, fails in (((FakeWorker("a"),), False), ((FakeWorker("b", fault=("die", 3)), FakeWorker("c")), False),
+                           ((FakeWorker("d", fault=("die", 2)),), True)):
+        backend = await deployment(*workers, migration_limit=1)
+        sync = ReplicaSync(backend.router.load, "frontend", send=lambda data: updates.append(
+            msgspec.msgpack.decode(data, type=LoadUpdate)))
+        backend.router.attach_replica_sync(sync)
+        updates.clear()
+        if fails:
+            with pytest.raises(WorkerGoneError):
+                await run(backend)
+        else:
+            await run(backend)
+        *moved, finish = [u for u in updates if u.kind == "finish"]  # the last placement's (r-1 after a move)
+        assert all((u.ttft_s, u.itl_s) == (0.0, 0.0) for u in moved)
+        if fails:
+            assert (finish.ttft_s, finish.itl_s) == (0.0, 0.0)
+        else:  # the workers wait 10 ms after each token
+            assert finish.ttft_s > 0 and finish.itl_s >= 0.009, finish

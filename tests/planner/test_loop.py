@@ -101,6 +101,13 @@ class Deployment:
             self.sync.publish("place", LoadKey(f"r{i}", Role.DECODE), "decode-0", 0, 188)
         await asyncio.gather(*self.sent)
 
+    async def finish(self, count: int, ttft_s: float, itl_s: float, start: int = 0) -> None:
+        """The frontend's ends of requests that streamed to their end, with what their clients saw."""
+        for i in range(start, start + count):
+            for role in (Role.PREFILL, Role.DECODE):
+                self.sync.publish("finish", LoadKey(f"r{i}", role), ttft_s=ttft_s, itl_s=itl_s)
+        await asyncio.gather(*self.sent)
+
 
 @pytest.fixture
 async def running(stage, api):
@@ -167,6 +174,30 @@ async def test_load_grows_the_pools_it_needs(running, api, caplog):
     assert rendered(planner, "dynamo_pd_planner_replicas", "prefill") == prefill.target
     rate = rendered(planner, "dynamo_pd_planner_predicted_requests_per_second", "prefill")
     assert rate == pytest.approx(24.0)
+
+
+async def test_latencies_measured_over_the_models_correct_its_predictions(running, api, caplog):
+    """What the requests that ended measured beyond the model (here 150 ms of TTFT and 4 ms of ITL the model
+    cannot see) is added to its predictions: the same load needs more workers once it is known."""
+    deployment, observer, connector, clock = running
+    planner = planner_for(observer, connector, clock, predictor="constant")
+    await interval(deployment, observer, clock, requests=60)  # 6 req/s: one prefill worker suffices
+    blind = {d.pool: d for d in await planner.step()}
+    await planner.wait_scaling()
+    modelled_ttft, modelled_itl = blind["prefill"].prediction.ttft_p50_s, blind["decode"].prediction.itl_s
+    await deployment.finish(60, ttft_s=modelled_ttft + 0.15, itl_s=modelled_itl + 0.004, start=1000)
+    await until(lambda: len(observer._latencies.get("decode", ((), ()))[1]) >= 60, "60 requests' ends")
+    await interval(deployment, observer, clock, requests=60)
+    with caplog.at_level(logging.INFO, logger="dynamo_pd.planner"):
+        seen = {d.pool: d for d in await planner.step()}
+        await planner.wait_scaling()
+    ttft_offset, itl_offset = planner.offsets["prefill"].ttft_p50, planner.offsets["decode"].itl_mean
+    assert ttft_offset == pytest.approx(0.15, abs=0.02) and itl_offset == pytest.approx(0.004, abs=1e-3)
+    assert blind["prefill"].target == 1 and seen["prefill"].target > 1  # 300 ms less 150: queueing matters
+    assert seen["decode"].prediction.itl_s == pytest.approx(blind["decode"].prediction.itl_s + 0.004, abs=2e-3)
+    assert "offsets TTFT +15" in caplog.text and "measured ITL p50" in caplog.text
+    assert rendered(planner, "dynamo_pd_planner_measured_ttft_seconds", "prefill") == pytest.approx(
+        modelled_ttft + 0.15)
 
 
 async def test_the_cool_down_follows_a_growth_not_a_shrink(running, api):

@@ -86,4 +86,4 @@ async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
     now[0] += 2
     sync.publish("finish", LoadKey("local", Role.PREFILL))
     assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
-    assert msgpack.decode(sent[0]) == ["a", "finish", "prefill:local", "", 0, 0]
+    assert msgpack.decode(sent[0]) == ["a", "finish", "prefill:local", "", 0, 0, 0.0, 0.0]  # no latencies given
