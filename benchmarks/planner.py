@@ -12,7 +12,8 @@ loop, which would slow its arrivals down exactly when the deployment falls behin
             model's context, as router_policies replays them)
 Deployments, each started fresh per workload:
   planner         `serve --planner` from 1 prefill + 1 decode worker, its SLOs the goodput bounds
-  static peak     the counts the planner chose at its peak, all the time
+  static peak     the counts the planner chose at its peak (the decision with the most workers in all), all
+                  the time
   static average  the planner's average worker count, split as the planner split it on average (rounded
                   down and up: both are run, the better is the best static deployment of that size)
 Reported per run: SLA attainment (the share of requests within both bounds; a failed one is not),
@@ -175,7 +176,7 @@ class Run:
     goodput: float = 0.0
     goodput_per_worker_s: float = 0.0
     vs_peak: float | None = None  # goodput per worker-second / the static peak's
-    peak: dict[str, int] = field(default_factory=dict)  # the planner's: the most it chose per pool
+    peak: dict[str, int] = field(default_factory=dict)  # the planner's: its decision with the most workers
 
     def __post_init__(self) -> None:
         self.attainment = self.good / self.requests if self.requests else 0.0
@@ -224,6 +225,13 @@ def intervals(decisions: list[dict], records: list[Record], speedup: float, slo:
                      "measured_tpot_p50_ms": float(np.median(tpots)) if tpots else None,
                      "good": sum(report.is_good(r, slo) for r in inside)})
     return rows
+
+
+def peak_counts(pools: dict[str, list[int]]) -> dict[str, int]:
+    """The counts of the planner's decision with the most workers in all (`pools`: each pool's targets, a
+    decision each interval): a deployment it chose at once, not each pool's most, which may be of two
+    moments and exceed its budget."""
+    return dict(zip(pools, max(zip(*pools.values()), key=sum, default=(1,) * len(pools))))
 
 
 def prediction_md(rows: list[dict]) -> tuple[str, float | None]:
@@ -332,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         average = seconds / duration if duration else 0.0
         planner = Run("planner", name, share["prefill"], share["decode"], summary.ok + summary.failed,
                       summary.failed, summary.good, duration, seconds,
-                      peak={pool: max(v, default=1) for pool, v in pools.items()})
+                      peak=peak_counts(pools))
         rows = intervals(decisions, records, speedup, slo)
         text, within = prediction_md(rows)
         extra["intervals"][name], extra["prediction"][name] = rows, {"text": text, "within_25": within}

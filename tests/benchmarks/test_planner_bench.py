@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks.aiperf_run import Record, Slo
 from benchmarks import deploy
-from benchmarks.planner import intervals, parse_args, planner_url, prediction_md, sinusoid_file, sinusoid_times
+from benchmarks.planner import (intervals, parse_args, peak_counts, planner_url, prediction_md, sinusoid_file,
+                                sinusoid_times)
 
 
 def test_sinusoid_arrivals_follow_the_rate_from_low_to_high_and_back():
@@ -57,6 +58,12 @@ def test_each_interval_compares_its_prediction_with_the_requests_arriving_until_
         (3, 1, 200.0, 2), (1, 2, 500.0, 0)]
     # predicted seconds of real time, reported in simulated ms (x speedup)
     assert [r["predicted_ttft_ms"] for r in rows] == [100.0, 200.0]
+
+
+def test_the_static_peak_is_the_planners_largest_deployment_not_each_pools_most():
+    # prefill peaked at 4 beside 9 decode workers, decode at 12 beside 3 prefill: 3P12D, not 4P12D (16 > 15)
+    pools = {"prefill": [1, 2, 4, 3, 2], "decode": [1, 5, 9, 12, 6]}
+    assert peak_counts(pools) == {"prefill": 3, "decode": 12}
 
 
 def test_prediction_accuracy_skips_the_warm_up_and_thin_intervals():
