@@ -100,10 +100,10 @@ class Journey:
 
     def latencies(self) -> tuple[float, float]:
         """(TTFT, mean ITL) the client saw, once it has the whole answer; 0 where it has not or (ITL) one
-        token."""
+        token a choice. The n choices of a request stream side by side: a choice's gaps are its tokens'."""
         if not self.finished or self.first_token_at is None:
             return 0.0, 0.0
-        gaps = len(self.sent) - 1
+        gaps = len(self.sent) / self.request.sampling.n - 1
         return (self.first_token_at - self.started,
                 (self.last_token_at - self.first_token_at) / gaps if gaps > 0 else 0.0)
 

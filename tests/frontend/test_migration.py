@@ -13,7 +13,9 @@ import pytest
 
 from dynamo_pd.frontend.backend import BackendConfig, RemoteBackend
 from dynamo_pd.metrics import Metrics
-from dynamo_pd.protocol import EngineOutput, EngineRequest, InvalidRequestError, StopConditions, Usage, WorkerInfo
+from dynamo_pd.frontend.migration import Journey
+from dynamo_pd.protocol import (EngineOutput, EngineRequest, InvalidRequestError, SamplingParams, StopConditions, Usage,
+                               WorkerInfo)
 from dynamo_pd.runtime import RequestContext, RpcServer
 from dynamo_pd.runtime.errors import StreamStalledError, WorkerGoneError
 from router.replica_sync import LoadUpdate, ReplicaSync
@@ -210,3 +212,14 @@ async def test_a_request_that_streamed_to_its_end_reports_what_its_client_saw(de
             assert (finish.ttft_s, finish.itl_s) == (0.0, 0.0)
         else:  # the workers wait 10 ms after each token
             assert finish.ttft_s > 0 and finish.itl_s >= 0.009, finish
+
+
+def test_the_itl_of_n_choices_is_one_choices_gap_between_its_tokens():
+    request = EngineRequest(request_id="r", prompt_token_ids=PROMPT, stop=StopConditions(max_tokens=5),
+                            sampling=SamplingParams(n=2))
+    journey = Journey(request, limit=0)
+    for i in range(10):  # two choices of 5 tokens, side by side
+        journey.sent_output(EngineOutput(request_id="r", token_ids=[i], index=i % 2,
+                                         finish_reason="length" if i >= 8 else None, choices_left=int(i < 9)))
+    journey.started, journey.first_token_at, journey.last_token_at = 0.0, 0.1, 0.5
+    assert journey.latencies() == (0.1, pytest.approx(0.1))  # 0.4 s over each choice's 4 gaps
