@@ -38,8 +38,8 @@ class LoadUpdate(msgspec.Struct, array_like=True, frozen=True):
     worker_id: WorkerId = ""
     prefill_tokens: int = 0
     blocks: int = 0
-    # "finish" of a request that streamed to its end: what its client saw, as the frontend measured it
-    # (the planner's observed latencies); 0: not measured
+    # "finish" of a request that streamed to its end: its TTFT and ITL as the frontend measured them from
+    # the tokenized request on (migration.Journey.latencies; the planner's observed latencies); 0: not measured
     ttft_s: float = 0.0
     itl_s: float = 0.0  # the mean between its output tokens
 

@@ -99,8 +99,9 @@ class Journey:
         return out
 
     def latencies(self) -> tuple[float, float]:
-        """(TTFT, mean ITL) the client saw, once it has the whole answer; 0 where it has not or (ITL) one
-        token a choice. The n choices of a request stream side by side: a choice's gaps are its tokens'."""
+        """(TTFT, mean ITL) of the outputs sent to the client, timed from the tokenized request's start here
+        (its HTTP parsing and tokenizing come before), once it has the whole answer; 0 where it has not or
+        (ITL) one token a choice. The n choices of a request stream side by side: a choice's gaps are its tokens'."""
         if not self.finished or self.first_token_at is None:
             return 0.0, 0.0
         gaps = len(self.sent) / self.request.sampling.n - 1
