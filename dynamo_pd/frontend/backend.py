@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class RemoteBackend:
         self._load_subject = f"{namespace}.load"
         self.workers: dict[str, WorkerInfo] = {}
         self.rpc = RpcClient(inter_response_timeout_s=self.config.inter_token_timeout_s)
+        self.last_output: dict[str, float] = {}  # worker -> when it last streamed an output (health checks)
         self._refused: set[str] = set()  # registered workers this frontend cannot serve, refused once
         self._departed: OrderedDict[str, WorkerInfo] = OrderedDict()  # recently left: a drained one's KV
         self.replicas = EventPlaneReplicaSync(router.load, events, namespace)
@@ -123,6 +125,7 @@ class RemoteBackend:
 
     def _left(self, info: WorkerInfo) -> None:
         self._refused.discard(info.worker_id)
+        self.last_output.pop(info.worker_id, None)
         if (left := self.workers.pop(info.worker_id, None)) is not None:
             self._departed[left.worker_id] = left
             while len(self._departed) > _DEPARTED_KEPT:
@@ -285,6 +288,8 @@ class RemoteBackend:
             batches = self.rpc.stream_batches(worker.rpc_endpoint, _encoder.encode(request), context,
                                               first_response_timeout_s=first_response_timeout_s)
             async for chunks in batches:
+                if worker_id in self.workers:  # one that left keeps no entry
+                    self.last_output[worker_id] = time.monotonic()
                 out = None  # the outputs that arrived together, joined where they can: one step for the client
                 for chunk in chunks:
                     got = _output_decoder.decode(chunk)

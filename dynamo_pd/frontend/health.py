@@ -2,7 +2,10 @@
 one-token prompt, one token generated, greedy, as Dynamo's per-engine health-check payloads are).
 A worker whose canary errors or takes over `timeout_s` leaves routing (ModelView.exclude: to its
 model's backend it looks like the worker leaving) and is readmitted when a canary passes again.
-Canaries go on a client of their own, so an excluded worker is still reached."""
+A canary that only ran out of time on a worker that streamed other requests' outputs meanwhile passes: the
+worker is busy (a batch-1 engine queues the canary behind them), not hung, and taking the last busy worker
+out of routing would turn load into 503s. Canaries go on a client of their own, so an excluded worker is
+still reached."""
 
 from __future__ import annotations
 
@@ -10,12 +13,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from dynamo_pd.protocol import EngineOutput, EngineRequest, SamplingParams, StopConditions, WorkerInfo
-from dynamo_pd.runtime import RequestContext, RpcClient
+from dynamo_pd.runtime import FirstResponseTimeoutError, RequestContext, RpcClient
 from router.worker import Role
 
 if TYPE_CHECKING:
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dynamo_pd.frontend")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(EngineOutput)
+Verdict = Literal["passed", "failed", "timed out"]
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,14 @@ class HealthChecker:
     async def check_all(self, timeout_s: float) -> None:
         checks = [(entry, info) for entry in self.gateway.models.values() if entry.backend is not None
                   for info in list(entry.view.members.values()) if info.role is not Role.PREFILL]
-        passed = await asyncio.gather(*(self._canary(entry, info, timeout_s) for entry, info in checks))
+        started = time.monotonic()
+        verdicts = await asyncio.gather(*(self._canary(entry, info, timeout_s) for entry, info in checks))
         metrics, now = self.gateway.metrics, set()
-        for (entry, info), ok in zip(checks, passed):
+        for (entry, info), verdict in zip(checks, verdicts):
             if info.worker_id not in entry.view.members:  # it left while checked
                 continue
+            ok = verdict == "passed" or (verdict == "timed out" and
+                                         entry.backend.last_output.get(info.worker_id, 0.0) > started)
             now.add((entry.name, info.worker_id))
             excluded = info.worker_id in entry.view.excluded
             if not ok and not excluded:
@@ -76,7 +83,7 @@ class HealthChecker:
                 metrics.worker_healthy.remove(model, worker_id)
         self._checked = now
 
-    async def _canary(self, entry: ModelEntry, info: WorkerInfo, timeout_s: float) -> bool:
+    async def _canary(self, entry: ModelEntry, info: WorkerInfo, timeout_s: float) -> Verdict:
         rid = f"health-{info.worker_id}-{time.monotonic_ns()}"
         prompt = entry.backend.tokenizer("Hi").input_ids[-1:] if entry.backend.tokenizer is not None else [1]
         request = EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0),
@@ -88,10 +95,13 @@ class HealthChecker:
                                                    first_response_timeout_s=timeout_s):
                     out = _decoder.decode(chunk)
                     if out.finish_reason is not None:
-                        return out.finish_reason != "error"
-            return False
+                        return "failed" if out.finish_reason == "error" else "passed"
+            return "failed"
+        except (TimeoutError, FirstResponseTimeoutError):
+            log.debug("health check of %s timed out after %.1fs", info.worker_id, timeout_s)
+            return "timed out"
         except Exception as exc:  # noqa: BLE001 - any failure of the canary is the verdict
             log.debug("health check of %s failed: %s", info.worker_id, exc)
-            return False
+            return "failed"
         finally:
             context.cancel()
