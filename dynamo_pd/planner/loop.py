@@ -184,6 +184,7 @@ class Planner:
                     "measured_ttft_p50": _median(seen.ttfts), "measured_itl_p50": _median(seen.itls),
                     "offsets": dataclasses.asdict(self.offsets.get(d.pool, Offsets())),
                     "predicted_rate": None if load is None else load.rate,
+                    "rate_shortfall": self.forecasts[d.pool].shortfall,
                     "predicted_prompt_tokens": None if load is None else load.mean_prompt_tokens,
                     "prediction": prediction, "unmeetable": d.unmeetable, "reason": d.reason}) + "\n")
 

@@ -7,12 +7,18 @@ output lengths of its requests.
 The rate planned for is the highest the forecast expects until the next decision's workers could serve:
 from now (a falling rate: a pool shrunk now serves the rate of now) to an interval and a scale-up's time
 (the last one's) ahead (a rising rate: what was decided now is all there is until then).
+What the forecasts fell short by beyond chance (the arrivals past the count expected and one Poisson standard
+deviation of it), averaged over the intervals (SHORTFALL_WEIGHT), is added to the rate planned for: a linear
+trend lags a load that accelerates (a ramp's start) and overshoots a trough, and missing the SLO costs more
+than a worker for an interval. Nothing is taken off for a forecast that was high: that only costs workers
+until the trend turns.
 A mean length is updated only by an interval that had requests; the prompts' spread (which the TTFT
 model needs, not just their mean) comes from the last WINDOW requests seen.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,6 +29,7 @@ PredictorName = Literal["constant", "trend"]
 WINDOW = 1024  # recent prompts kept for the shape of their lengths
 LEVEL_WEIGHT = 0.9  # trend: the newest interval's weight in the level (tuned on noisy sinusoids)
 SLOPE_WEIGHT = 0.8  # and in the slope
+SHORTFALL_WEIGHT = 0.5  # the newest interval's weight in the shortfall planned for
 
 
 @dataclass
@@ -63,11 +70,16 @@ class LoadForecast:
     prompt_tokens: Series = field(init=False)
     prompt_blocks: Series = field(init=False)
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    shortfall: float = 0.0  # req/s the recent forecasts missed beyond chance, added to the rate planned for
 
     def __post_init__(self) -> None:
         self.rate, self.prompt_tokens, self.prompt_blocks = (Series(self.kind) for _ in range(3))
 
     def update(self, interval_s: float, arrivals: list[Arrival]) -> None:
+        if (forecast := self.rate.forecast()) is not None:
+            expected = forecast * interval_s
+            short = max(0.0, len(arrivals) - expected - math.sqrt(expected)) / interval_s
+            self.shortfall += SHORTFALL_WEIGHT * (short - self.shortfall)
         self.rate.update(len(arrivals) / interval_s)
         if arrivals:
             self.prompt_tokens.update(sum(a.prefill_tokens for a in arrivals) / len(arrivals))
@@ -76,11 +88,12 @@ class LoadForecast:
 
     def load(self, output_tokens: float, ready_intervals: float = 1.0) -> Load | None:
         """The next interval's load, at the highest rate expected from now until the next decision's
-        workers could serve, `ready_intervals` (a scale-up's time) after the next interval; None before any
-        interval was seen. forecast(k) is the mean of the k-th interval ahead: the rate k - 1/2 ahead."""
+        workers could serve, `ready_intervals` (a scale-up's time) after the next interval, plus the recent
+        shortfall; None before any interval was seen. forecast(k) is the mean of the k-th interval ahead: the
+        rate k - 1/2 ahead."""
         if self.rate.level is None:
             return None
-        rate = max(self.rate.forecast(0.5), self.rate.forecast(1.5 + ready_intervals))
+        rate = max(self.rate.forecast(0.5), self.rate.forecast(1.5 + ready_intervals)) + self.shortfall
         return Load(rate=rate, prompt_tokens=tuple(self.recent),
                     mean_prompt_tokens=self.prompt_tokens.forecast() or 0.0,
                     prompt_blocks=self.prompt_blocks.forecast() or 0.0, output_tokens=output_tokens)

@@ -85,3 +85,24 @@ def test_the_highest_rate_until_the_next_decision_could_act_is_planned_for():
     assert rising.load(10.0, ready_intervals=0.0).rate == pytest.approx(41.0, abs=0.1)
     # falling: the rate of now, half an interval past the last one's middle (a pool shrunk now serves it)
     assert falling.load(10.0, ready_intervals=1.5).rate == pytest.approx(41.0, abs=0.1)
+
+
+def test_what_the_forecasts_missed_beyond_chance_is_planned_for():
+    # the benchmark's sinusoid through a trough into a ramp (arrivals per 20 s interval): the trend overshoots
+    # the trough and lags the ramp; the shortfall it showed is planned for on top of it
+    counts = [96, 63, 33, 21, 11, 10, 21, 44, 81]
+    forecast, planned = LoadForecast("trend"), []
+    for t, count in enumerate(counts[:-1]):
+        forecast.update(20.0, [Arrival(100, 7)] * count)
+        trend = max(forecast.rate.forecast(0.5), forecast.rate.forecast(1.5))
+        planned.append((forecast.load(10.0, ready_intervals=0.0).rate * 20, trend * 20, counts[t + 1]))
+    assert forecast.shortfall > 0.3
+    for with_shortfall, trend_alone, following in planned[4:]:  # the trough and the ramp
+        assert following - with_shortfall < following - trend_alone  # nearer the arrivals that followed
+    # Poisson noise around a steady rate is chance, not a shortfall
+    rng, steady = random.Random(0), LoadForecast("trend")
+    shortfalls = []
+    for _ in range(200):
+        steady.update(10.0, [Arrival(100, 7)] * _poisson(rng, 200.0))
+        shortfalls.append(steady.shortfall)
+    assert sum(shortfalls[20:]) / len(shortfalls[20:]) < 0.05 * 20.0  # under 5% of the 20 req/s
