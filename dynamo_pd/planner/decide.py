@@ -2,7 +2,9 @@
 
 Per pool, the least n in [minimum, maximum] whose model meets --ttft-slo (prefill and aggregated pools:
 the share of requests within it) and --itl-slo (decode and aggregated pools: ITL at that share's
-quantile). A pool whose SLO no count meets gets its maximum, and the decision says so (unmeetable).
+quantile). A pool whose SLO no count meets gets its maximum, or the least count predicted to do as well
+as its maximum (within PLATEAU: more workers would not help, as where prompts whose prefill alone takes
+longer than the TTFT SLO are more than the share it allows), and the decision says so (unmeetable).
 Together the pools stay within the budget: when their needs exceed it, each keeps its minimum and
 the rest goes, a worker at a time, to the pool furthest short of its need (unmeetable too: the
 planner holds the budget's maximum). A pool shrinks only `cooldown_s` after it last grew, so a load
@@ -12,9 +14,12 @@ shrinks it interval after interval.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dynamo_pd.planner.model import PoolModel, Prediction
+
+PLATEAU = 0.01  # attainments this near the maximum's are as good: the model's resolution, not a gain
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,32 @@ def _ms(seconds: float | None) -> str:
 
 
 def _need(plan: PoolPlan, slo: Slo) -> tuple[int, bool]:
-    """The least count meeting the SLOs, and whether none does (then the maximum)."""
-    for n in range(plan.minimum, plan.maximum + 1):
+    """The least count meeting the SLOs, and whether none does (then the least doing as well as the maximum)."""
+    counts = range(plan.minimum, plan.maximum + 1)
+    for n in counts:
         if plan.model.meets(n, slo.ttft_s, slo.itl_s):
             return n, False
+    if (best := _attained(plan.model, plan.maximum, slo)) is None:
+        return plan.maximum, True  # even the maximum cannot keep up: every worker counts
+    for n in counts:
+        if (near := _attained(plan.model, n, slo)) is not None and all(a >= b - PLATEAU for a, b in zip(near, best)):
+            return n, True
     return plan.maximum, True
+
+
+def _attained(model: PoolModel, n: int, slo: Slo) -> tuple[float, float] | None:
+    """How near n workers come to the SLOs: the TTFT attainment, and the ITL bound over the quantile's ITL
+    (each 1 where the pool does not serve that part); None where they cannot keep up with the load."""
+    ttft = itl = 1.0
+    if model.prefills:
+        if math.isinf(model.ttft_p50(n)):
+            return None
+        ttft = model.ttft_attainment(n, slo.ttft_s)
+    if model.decodes:
+        if math.isinf(quantile := model.itl(n)[1]):
+            return None
+        itl = min(1.0, slo.itl_s / quantile) if quantile > 0 else 1.0
+    return ttft, itl
 
 
 def _share(needs: dict[str, int], plans: list[PoolPlan], budget: int) -> dict[str, int]:
@@ -92,8 +118,11 @@ def decide(plans: list[PoolPlan], budget: int, slo: Slo, cooldown_s: float, now:
             unmeetable[plan.pool], why[plan.pool] = False, f"waiting for {plan.waiting_for}"
             continue
         needs[plan.pool], unmeetable[plan.pool] = _need(plan, slo)
-        why[plan.pool] = (f"SLO unmeetable within the pool's maximum of {plan.maximum}"
-                          if unmeetable[plan.pool] else "the least count meeting the SLO")
+        why[plan.pool] = ("the least count meeting the SLO" if not unmeetable[plan.pool]
+                          else f"SLO unmeetable within the pool's maximum of {plan.maximum}"
+                          if needs[plan.pool] == plan.maximum
+                          else f"SLO unmeetable: {plan.maximum} workers would do no better than "
+                               f"{needs[plan.pool]} (within {PLATEAU:.0%})")
     targets = dict(needs)
     if sum(needs.values()) > budget:
         targets = _share(needs, plans, budget)

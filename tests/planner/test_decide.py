@@ -41,11 +41,26 @@ def test_least_count_meeting_the_slo():
 
 
 def test_slo_no_count_meets_holds_the_maximum():
+    plan = [PoolPlan("prefill", 2, 1, 5, prefill(80.0))]  # 80 x 75 ms of prefill a second: 5 workers fall short
+    (d,) = decide(plan, budget=8, slo=SLO, cooldown_s=30, now=100)
+    assert (d.target, d.unmeetable) == (5, True)
+    assert "SLO unmeetable within the pool's maximum of 5" in d.reason
+
+
+def test_slo_beyond_any_count_takes_the_least_count_doing_as_well_as_the_maximum():
+    """Every prompt's prefill alone outlasts the TTFT SLO: more workers would not help, and are not taken."""
     plan = [PoolPlan("prefill", 2, 1, 5, prefill(1.0))]
     tight = Slo(ttft_s=0.05, itl_s=0.009)  # a 3000-token prompt alone takes 75 ms
     (d,) = decide(plan, budget=8, slo=tight, cooldown_s=30, now=100)
-    assert (d.target, d.unmeetable) == (5, True)
-    assert "SLO unmeetable within the pool's maximum of 5" in d.reason
+    assert (d.target, d.unmeetable) == (1, True)
+    assert "SLO unmeetable: 5 workers would do no better than 1 (within 1%)" in d.reason
+    # a long-tailed mix (a fifth of the prompts that long): attainment grows with workers up to a plateau
+    mixed = PoolModel(Costs(25e-6), Load(20.0, (1000,) * 8 + (20_000,) * 2, 4800.0), State(), LIMITS, prefills=True,
+                      decodes=False, horizon_s=10.0, attainment=0.95)
+    (d,) = decide([PoolPlan("prefill", 1, 1, 12, mixed)], budget=16, slo=SLO, cooldown_s=30, now=100)
+    assert d.unmeetable and 1 < d.target < 12
+    assert mixed.ttft_attainment(d.target, SLO.ttft_s) >= mixed.ttft_attainment(12, SLO.ttft_s) - 0.01
+    assert mixed.ttft_attainment(d.target - 1, SLO.ttft_s) < mixed.ttft_attainment(12, SLO.ttft_s) - 0.01
 
 
 def test_budget_caps_the_pools_together():
