@@ -77,10 +77,8 @@ def _need(plan: PoolPlan, slo: Slo) -> tuple[int, bool]:
             return n, False
     if (best := _attained(plan.model, plan.maximum, slo)) is None:
         return plan.maximum, True  # even the maximum cannot keep up: every worker counts
-    for n in counts:
-        if (near := _attained(plan.model, n, slo)) is not None and all(a >= b - PLATEAU for a, b in zip(near, best)):
-            return n, True
-    return plan.maximum, True
+    return next(n for n in counts if (near := _attained(plan.model, n, slo)) is not None
+                and all(a >= b - PLATEAU for a, b in zip(near, best))), True  # the maximum at the latest
 
 
 def _attained(model: PoolModel, n: int, slo: Slo) -> tuple[float, float] | None:
