@@ -23,17 +23,21 @@ for i in 0 1; do
   python -m dynamo_pd.prefill "${common[@]}" --kv-transport nixl --kv-handoff push --worker-id "prefill-$i" & pids+=($!)
 done
 python -m dynamo_pd.decode "${common[@]}" --kv-transport nixl --worker-id decode-0 & pids+=($!)
+# ready once all three workers registered: /ready alone turns true with the first decode worker, and a
+# request before the prefill workers join is prefilled on the decode worker (no KV moves)
 python - "$PORT" <<'PY'
-import sys, time, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/ready"
+import json, sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/health"
 for _ in range(300):
     try:
-        urllib.request.urlopen(url, timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
+        models = json.load(urllib.request.urlopen(url, timeout=2))["models"]
+        if sum(len(model["workers"]) for model in models.values()) >= 3:
+            break
+    except OSError:  # not up yet, or not ready (503)
+        pass
+    time.sleep(1)
 else:
-    sys.exit(f"not ready after 300 s: {url}")
+    sys.exit(f"not all 3 workers registered after 300 s: {url}")
 PY
 echo "ready: http://127.0.0.1:$PORT/v1 (Ctrl-C stops everything)"
 wait
