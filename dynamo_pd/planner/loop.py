@@ -207,5 +207,4 @@ def _observed_load(seen: PoolObservation, planned: Load) -> Load:
         return dataclasses.replace(planned, rate=0.0)
     tokens = tuple(a.prefill_tokens for a in seen.arrivals)
     return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, prompt_tokens=tokens,
-                               mean_prompt_tokens=sum(tokens) / len(tokens),
                                prompt_blocks=sum(a.blocks for a in seen.arrivals) / len(tokens))

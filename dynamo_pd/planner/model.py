@@ -11,7 +11,7 @@ TTFT (prefill and aggregated pools): a request waits for the prefill queued ahea
             Erlang C of the offered load a = lambda * mean S, and a wait is exponential with mean
             (1 + scv) / 2 * mean S / (n - a) (Allen-Cunneen; scv: the squared variation of S)
   so the share of requests with TTFT <= slo is mean_i P(backlog + S_i + wait <= slo), over the prompts
-  seen recently (scaled to the predicted mean), and the predicted p50 is where that share is one half.
+  seen recently, and the predicted p50 is where that share is one half.
 ITL (decode and aggregated pools): a decode step of B KV blocks takes d0 + d1 * B (the step costs
   workers measure, engines/native/step_costs.py), plus c * P for the P prefill tokens it carries.
   Requests in flight per worker: N = lambda * out * ITL / n (Little's law), each holding k = prompt
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from statistics import NormalDist
 
 _KV_HEADROOM = 0.95  # past this share of its KV blocks a worker preempts: the ITL model no longer holds
@@ -47,10 +48,13 @@ class Load:
     """A pool's predicted load over the next interval."""
 
     rate: float  # requests/s placed on the pool
-    prompt_tokens: tuple[int, ...]  # uncached prompt tokens of recent requests (the shape), scaled to:
-    mean_prompt_tokens: float  # the predicted mean
+    prompt_tokens: tuple[int, ...]  # uncached prompt tokens of recent requests: their lengths' shape
     prompt_blocks: float = 0.0  # mean KV blocks of a prompt (decode side)
     output_tokens: float = 0.0  # mean output tokens per request
+
+    @cached_property
+    def mean_prompt_tokens(self) -> float:
+        return sum(self.prompt_tokens) / len(self.prompt_tokens) if self.prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -170,9 +174,7 @@ class PoolModel:
         """(service times, backlog wait, P(wait), mean wait when waiting), None past the pool's capacity."""
         per_token, fixed = self._service(n)
         load = self.load
-        seen = load.prompt_tokens or (round(load.mean_prompt_tokens),)
-        scale = load.mean_prompt_tokens / (sum(seen) / len(seen)) if sum(seen) else 0.0
-        services = [per_token * tokens * scale + fixed for tokens in seen]
+        services = [per_token * tokens + fixed for tokens in load.prompt_tokens or (0,)]
         mean = sum(services) / len(services)
         a = load.rate * mean
         if a >= n:

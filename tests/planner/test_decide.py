@@ -8,12 +8,12 @@ SLO = Slo(ttft_s=0.3, itl_s=0.009)
 
 
 def prefill(rate: float) -> PoolModel:
-    return PoolModel(Costs(25e-6), Load(rate, (3000,), 3000.0), State(), LIMITS, prefills=True, decodes=False,
+    return PoolModel(Costs(25e-6), Load(rate, (3000,)), State(), LIMITS, prefills=True, decodes=False,
                      horizon_s=10.0, attainment=0.95)
 
 
 def decode(rate: float) -> PoolModel:
-    return PoolModel(Costs(0.0, 6.6e-3, 0.8e-6), Load(rate, (0,), 0.0, prompt_blocks=188, output_tokens=150),
+    return PoolModel(Costs(0.0, 6.6e-3, 0.8e-6), Load(rate, (0,), prompt_blocks=188, output_tokens=150),
                      State(), LIMITS, prefills=False, decodes=True, horizon_s=10.0, attainment=0.95)
 
 
@@ -55,7 +55,7 @@ def test_slo_beyond_any_count_takes_the_least_count_doing_as_well_as_the_maximum
     assert (d.target, d.unmeetable) == (1, True)
     assert "SLO unmeetable: 5 workers would do no better than 1 (within 1%)" in d.reason
     # a long-tailed mix (a fifth of the prompts that long): attainment grows with workers up to a plateau
-    mixed = PoolModel(Costs(25e-6), Load(20.0, (1000,) * 8 + (20_000,) * 2, 4800.0), State(), LIMITS, prefills=True,
+    mixed = PoolModel(Costs(25e-6), Load(20.0, (1000,) * 8 + (20_000,) * 2), State(), LIMITS, prefills=True,
                       decodes=False, horizon_s=10.0, attainment=0.95)
     (d,) = decide([PoolPlan("prefill", 1, 1, 12, mixed)], budget=16, slo=SLO, cooldown_s=30, now=100)
     assert d.unmeetable and 1 < d.target < 12

@@ -15,14 +15,14 @@ PER_TOKEN = 25e-6  # s: a 3000-token prompt in 75 ms, the mocker's 8B model on a
 
 def prefill_model(rate: float, prompts: tuple[int, ...], queued: int = 0, horizon_s: float = 10.0
                   ) -> PoolModel:
-    load = Load(rate=rate, prompt_tokens=prompts, mean_prompt_tokens=sum(prompts) / len(prompts))
+    load = Load(rate=rate, prompt_tokens=prompts)
     return PoolModel(Costs(PER_TOKEN), load, State(queued_prefill_tokens=queued), LIMITS, prefills=True,
                      decodes=False, horizon_s=horizon_s, attainment=0.9)
 
 
 def decode_model(rate: float, output_tokens: float = 150, running: int = 0, costs: Costs | None = None,
                  limits: Limits = LIMITS) -> PoolModel:
-    load = Load(rate=rate, prompt_tokens=(0,), mean_prompt_tokens=0.0, prompt_blocks=188,
+    load = Load(rate=rate, prompt_tokens=(0,), prompt_blocks=188,
                 output_tokens=output_tokens)
     return PoolModel(costs or Costs(0.0, 6.6e-3, 0.8e-6), load, State(running=running), limits,
                      prefills=False, decodes=True, horizon_s=10.0, attainment=0.95)
@@ -120,7 +120,7 @@ def test_requests_running_now_weigh_on_the_next_interval():
 
 def test_aggregated_prefill_slows_decode_and_decode_slows_prefill():
     costs = Costs(PER_TOKEN, 6.6e-3, 0.8e-6)
-    load = Load(rate=6.0, prompt_tokens=(3000,), mean_prompt_tokens=3000, prompt_blocks=188,
+    load = Load(rate=6.0, prompt_tokens=(3000,), prompt_blocks=188,
                 output_tokens=150)
     both = PoolModel(costs, load, State(), LIMITS, prefills=True, decodes=True, horizon_s=10.0,
                      attainment=0.9)

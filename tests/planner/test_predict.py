@@ -106,3 +106,15 @@ def test_what_the_forecasts_missed_beyond_chance_is_planned_for():
         steady.update(10.0, [Arrival(100, 7)] * _poisson(rng, 200.0))
         shortfalls.append(steady.shortfall)
     assert sum(shortfalls[20:]) / len(shortfalls[20:]) < 0.05 * 20.0  # under 5% of the 20 req/s
+
+
+def test_prompt_lengths_are_the_recent_requests_not_one_intervals():
+    # a chat trace's long tail (a fifth of the prompts 8,000 tokens, the rest 1,000; mean 2,400), five
+    # requests an interval: one interval's mean runs from 1,000 to 8,000; the recent requests' stays near 2,400
+    rng, forecast = random.Random(1), LoadForecast("trend")
+    means = []
+    for _ in range(120):
+        forecast.update(5.0, [Arrival(rng.choice([1000] * 4 + [8000]), 100) for _ in range(5)])
+        means.append(forecast.load(100.0).mean_prompt_tokens)
+    assert all(abs(mean / 2400 - 1) <= 0.25 for mean in means[60:])  # once the window holds its requests
+    assert len(forecast.load(100.0).prompt_tokens) == 256  # and the same requests give the lengths' spread
