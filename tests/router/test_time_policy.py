@@ -37,15 +37,23 @@ def test_the_cost_is_the_documented_formula():
     assert TimePolicy.cost(c, k, remote) == pytest.approx(0.01 * 50 + 0.536 + 2 * 0.08)
 
 
-def test_unreported_figures_are_the_fleet_median_else_the_prior():
+def test_every_candidate_is_costed_with_the_pools_median_figures_else_the_prior():
     reported = [StepCosts(0.01, 0.1, 0.001, 8.0), StepCosts(0.03, None, None, 4.0), StepCosts()]
-    fleet = TimePolicy.fleet_costs([candidate(costs=k, name=f"w{i}") for i, k in enumerate(reported)])
-    assert fleet == [
-        StepCosts(0.01, 0.1, 0.001, 8.0),
-        StepCosts(0.03, 0.1, 0.001, 4.0),
-        StepCosts(0.02, 0.1, 0.001, 6.0),
-    ]
-    assert TimePolicy.fleet_costs([candidate(), candidate(name="w1")]) == [PRIOR, PRIOR]
+    pool = TimePolicy.pool_costs([candidate(costs=k, name=f"w{i}") for i, k in enumerate(reported)])
+    assert pool == StepCosts(0.02, 0.1, 0.001, 6.0)
+    assert TimePolicy.pool_costs([candidate(), candidate(name="w1")]) == PRIOR
+
+
+def test_the_worker_with_the_prefix_wins_whatever_each_happened_to_measure():
+    """What 16 identical mocker workers reported serving multi-turn chat: the one holding the session's
+    prefix had measured 0.09 ms a prefill token and 64-token outputs, an idle one 0.015 ms and 32 tokens (it
+    had served health canaries). Costed with its own figures the idle one looked 330 ms cheaper and won."""
+    request = RouteRequest(prompt_tokens=570, block_size=BS)  # 36 blocks, 23 of them on w0
+    holder = candidate(23, costs=StepCosts(9e-5, 13.2e-3, 1e-5, 64.0), name="w0")
+    idle = candidate(0, costs=StepCosts(1.5e-5, 13.2e-3, 1e-5, 32.0), name="w1")
+    assert TimePolicy().choose([holder, idle], request).worker_id == "w0"
+    own = [TimePolicy.cost(c, c.costs, request) for c in (holder, idle)]
+    assert own[1] < own[0] - 0.3  # what each worker's own figures said
 
 
 def test_the_busier_worker_keeps_its_prefix_while_prefill_costs_more_than_decode():
@@ -78,14 +86,13 @@ def test_reported_costs_reach_the_router_and_old_workers_report_none():
                                            num_total_blocks=100))
     assert router.load.costs("w0") == StepCosts(1e-3, 0.02, 1e-4, 12.0)
     assert router.load.costs("w1") == StepCosts()
-    # equal loads, no cache: the worker with the cheaper steps (w1 is given w0's figures, the median)
+    # the one that reported dearer steps still gets the prompt it holds (the pool's figures cost both)
     router.update_load_metrics(LoadMetrics(worker_id="w1", num_running=0, num_waiting=0, num_free_blocks=100,
                                            num_total_blocks=100, prefill_s_per_token=2e-3, decode_s=0.02,
                                            decode_s_per_block=1e-4, output_tokens=12.0))
     prompt = list(range(100, 100 + 4 * BS))
-    assert router.route("aggregated", "r0", prompt).worker_id == "w0"
-    router.indexer.store("w1", block_hashes(prompt, BS))  # unless the dearer one holds the prompt
-    assert router.route("aggregated", "r1", prompt).worker_id == "w1"
+    router.indexer.store("w1", block_hashes(prompt, BS))
+    assert router.route("aggregated", "r0", prompt).worker_id == "w1"
 
 
 def test_the_meter_recovers_a_linear_step_model():
