@@ -124,6 +124,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     resume_token_ids: list[int] = []
     fork_token_ids: list[int] = []  # decode role, n > 1: the first tokens of choices 1..n-1 (as first_token_id)
     kv_prefix: PeerPrefix | None = None  # the worker that prefills reads this prefix from a peer first
+    probe: bool = False  # a health canary: served, but not counted in the output lengths a worker reports
 
     def validate(self) -> None:
         if not self.prompt_token_ids:

@@ -87,7 +87,7 @@ class HealthChecker:
         rid = f"health-{info.worker_id}-{time.monotonic_ns()}"
         prompt = entry.backend.tokenizer("Hi").input_ids[-1:] if entry.backend.tokenizer is not None else [1]
         request = EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0),
-                                stop=StopConditions(max_tokens=1, ignore_eos=True))
+                                stop=StopConditions(max_tokens=1, ignore_eos=True), probe=True)
         context = RequestContext(rid)
         try:
             async with asyncio.timeout(timeout_s):

@@ -103,3 +103,14 @@ def test_bad_settings_are_refused():
         mocker_core(kv_cache_memory_gb=0.0001)
     with pytest.raises(ValueError, match="max_model_len"):
         mocker_core(max_model_len=10**6)
+
+
+def test_a_health_canary_is_served_but_not_counted_in_the_output_lengths_reported():
+    core = mocker_core(num_kv_blocks=256)
+    core.add_request(request("r0", [100] * 40, max_tokens=8))
+    core.add_request(request("health-w0-1", [7], max_tokens=1, probe=True))
+    finished = set()
+    while core.has_work:
+        finished |= {o.request_id for o in core.step() if o.finish_reason is not None}
+    assert finished == {"r0", "health-w0-1"}
+    assert core.stats().costs.output_tokens == 8  # the request's 8, not the mean with the canary's 1

@@ -300,7 +300,8 @@ class EngineCore:
         output carries the usage of all; a PREFILL request's blocks (its first choice's) wait for that end, to
         be held for the decode side when any choice goes on there."""
         self.scheduler.remove(seq)
-        self.step_costs.finished(len(seq.output_token_ids))
+        if not seq.request.probe:  # a canary's one token says nothing of the requests' lengths
+            self.step_costs.finished(len(seq.output_token_ids))
         seq.status = SequenceStatus.HELD if out.finish_reason == "prefill_done" else SequenceStatus.FINISHED
         if self.role is not EngineRole.PREFILL:
             self.block_manager.release(seq)  # a fork keeps its own references on the blocks they share
