@@ -234,17 +234,24 @@ def peak_counts(pools: dict[str, list[int]]) -> dict[str, int]:
     return dict(zip(pools, max(zip(*pools.values()), key=sum, default=(1,) * len(pools))))
 
 
-def prediction_md(rows: list[dict]) -> tuple[str, float | None]:
-    """How many intervals after the warm-up had their predicted TTFT within 25% of the measured median."""
+def prediction_md(rows: list[dict], ttfts: list[float]) -> tuple[str, float | None]:
+    """How many intervals after the warm-up had their predicted TTFT within 25% of the measured median; and,
+    beside it, how many a prediction of the exact median of `ttfts` (the TTFTs measured after the warm-up)
+    would have had by chance alone: an interval's median is that of its few requests (the medians of as many
+    of `ttfts`, drawn at random, are within 25% of the median of them all that often)."""
     judged = [r for r in rows[WARM_UP_INTERVALS:] if r["predicted_ttft_ms"] and r["measured_ttft_p50_ms"]
               and r["requests"] >= 5]
     if not judged:
         return "no interval after the warm-up had both a prediction and 5 requests", None
     errors = [r["predicted_ttft_ms"] / r["measured_ttft_p50_ms"] - 1 for r in judged]
     within = sum(abs(e) <= 0.25 for e in errors) / len(errors)
+    rng, median = np.random.default_rng(0), float(np.median(ttfts))
+    chance = np.mean([np.mean(np.abs(np.median(rng.choice(ttfts, (1000, r["requests"])), axis=1) / median - 1)
+                              <= 0.25) for r in judged])
     return (f"predicted TTFT within +-25% of the measured median in {within:.0%} of {len(judged)} intervals "
-            f"after the warm-up (median error {np.median(errors):+.0%}, worst "
-            f"{max(errors, key=abs):+.0%})"), within
+            f"after the warm-up (median error {np.median(errors):+.0%}, worst {max(errors, key=abs):+.0%}); "
+            f"predicting the run's own median would have been within 25% in {chance:.0%} of them (the "
+            f"spread of a median of so few requests)"), within
 
 
 def runs_md(runs: list[Run]) -> str:
@@ -342,7 +349,9 @@ def main(argv: list[str] | None = None) -> None:
                       summary.failed, summary.good, duration, seconds,
                       peak=peak_counts(pools))
         rows = intervals(decisions, records, speedup, slo)
-        text, within = prediction_md(rows)
+        judged_from = rows[min(WARM_UP_INTERVALS, len(rows) - 1)]["time"] if rows else 0.0
+        text, within = prediction_md(rows, [r.ttft_ms for r in records if r.error is None and r.ttft_ms is not None
+                                            and r.start_ns / 1e9 >= judged_from])
         extra["intervals"][name], extra["prediction"][name] = rows, {"text": text, "within_25": within}
         plot(session.out / f"planner_{name}.png", name, rows, scraper.samples, t0, records, slo, speedup)
 

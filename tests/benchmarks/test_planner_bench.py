@@ -70,9 +70,16 @@ def test_prediction_accuracy_skips_the_warm_up_and_thin_intervals():
     rows = [{"predicted_ttft_ms": p, "measured_ttft_p50_ms": m, "requests": n}
             for p, m, n in [(1, 100, 9), (1, 100, 9),  # the warm-up: not judged
                             (110, 100, 9), (60, 100, 9), (100, 100, 2), (None, 100, 9)]]
-    text, within = prediction_md(rows)
-    assert within == 0.5 and "2 intervals" in text and "-40%" in text
-    assert prediction_md(rows[:2]) == ("no interval after the warm-up had both a prediction and 5 requests", None)
+    steady = [100.0] * 50  # every request alike: any nine of them have the run's median
+    text, within = prediction_md(rows, steady)
+    assert within == 0.5 and "2 intervals" in text and "-40%" in text and "within 25% in 100% of them" in text
+    # a long-tailed run: the median of nine requests often lands more than 25% from the median of all
+    text, _ = prediction_md(rows, [10 * 1.1 ** i for i in range(60)])  # 10 ms to 3 s, evenly on a log scale
+    assert "within 25% in 100% of them" not in text
+    chance = int(text.split("within 25% in ")[1].split("%")[0])
+    assert 5 < chance < 50
+    assert prediction_md(rows[:2], steady) == ("no interval after the warm-up had both a prediction and 5 requests",
+                                               None)
 
 
 @pytest.mark.parametrize("argv, message", [(["--workloads", "sine"], "--workloads: unknown sine"),
