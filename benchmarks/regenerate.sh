@@ -25,7 +25,7 @@ for name in "${@:-${all[@]}}"; do
     router_bench) PYTHONPATH="$dynamo_site" $py benchmarks/router_bench.py > "$out/router_bench.md" ;;
     agg_vs_disagg_mocker) $py -m benchmarks.agg_vs_disagg --engine mocker --out "$out/$name" ;;
     agg_vs_disagg_native) $py -m benchmarks.agg_vs_disagg --engine native --quick --out "$out/$name" ;;
-    router_policies_mocker) $py -m benchmarks.router_policies --engine mocker --quick --out "$out/$name" ;;
+    router_policies_mocker) $py -m benchmarks.router_policies --engine mocker --out "$out/$name" ;;
     router_policies_native) $py -m benchmarks.router_policies --engine native --quick --out "$out/$name" ;;
     planner_quick) $py -m benchmarks.planner --quick --workloads sinusoid --out "$out/$name" ;;
     tracing_overhead) $py -m benchmarks.tracing_overhead --out "$out/$name" ;;
