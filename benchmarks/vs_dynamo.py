@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from statistics import mean
 
 import httpx
 
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "0", "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0"],
                         requests=args.requests, concurrency=args.concurrency)
     cpu: dict[str, list[float]] = {s: [] for s in systems}
+    by_system: dict[str, list[report.Summary]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems if r % 2 == 0 else systems[::-1]:
             log_dir = session.out / "logs" / f"{system}_{r + 1}"
@@ -195,11 +197,9 @@ def main(argv: list[str] | None = None) -> None:
                 before = cpu_seconds(pids)
                 summary = session.measure(url, f"{system} #{r + 1}", workload.name, None, workload, args.seed)
                 cpu[system].append((cpu_seconds(pids) - before) / max(1, summary.ok) * 1000)
+                by_system[system].append(summary)
     rows = ["| system | round | requests/s | TTFT p50 / p90 / p99 ms | frontend CPU s per 1,000 requests | failed |",
             "|---|---|---|---|---|---|"]
-    by_system: dict[str, list[report.Summary]] = {s: [] for s in systems}
-    for s in session.summaries:
-        by_system[s.config.split(" #")[0]].append(s)
     for system in systems:
         for i, (s, c) in enumerate(zip(by_system[system], cpu[system])):
             t = s.ttft_ms
@@ -220,13 +220,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _ratios(by_system: dict[str, list[report.Summary]], cpu: dict[str, list[float]]) -> str:
     """Ours against Dynamo's, the mean over rounds."""
-    if "Dynamo" not in by_system or not by_system["Dynamo"]:
+    if "Dynamo" not in by_system:
         return ""
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     ours, theirs = by_system["dynamo-pd"], by_system["Dynamo"]
     return (f"\ndynamo-pd / Dynamo (mean of rounds): requests/s "
-            f"{mean([s.request_s for s in ours]) / mean([s.request_s for s in theirs]):.2f}x, TTFT p50 "
-            f"{mean([s.ttft_ms[50] for s in ours]) / mean([s.ttft_ms[50] for s in theirs]):.2f}x, frontend CPU per "
+            f"{mean(s.request_s for s in ours) / mean(s.request_s for s in theirs):.2f}x, TTFT p50 "
+            f"{mean(s.ttft_ms[50] for s in ours) / mean(s.ttft_ms[50] for s in theirs):.2f}x, frontend CPU per "
             f"request {mean(cpu['dynamo-pd']) / mean(cpu['Dynamo']):.2f}x (below 1: ours costs less).\n")
 
 
