@@ -9,7 +9,7 @@ py=${PYTHON:-.venv/bin/python}
 out=benchmarks/results
 all=(footprint engine_throughput structured_throughput transfer router_bench agg_vs_disagg_mocker
      agg_vs_disagg_native router_policies_mocker router_policies_native tracing_overhead
-     planner_quick kv_tiers_quick vs_dynamo)
+     planner_quick kv_tiers_quick vs_dynamo vs_dynamo_routing)
 # NVIDIA Dynamo 1.6.1 beside it, in .venv-dynamo (python3 -m venv .venv-dynamo; pip install ai-dynamo-runtime==1.6.1;
 # pip install --no-deps ai-dynamo==1.6.1; then its other dependencies, docs/benchmarks.md): router_bench adds its Rust
 # RadixTree to the table when it can import it, vs_dynamo runs its frontend and mocker
@@ -31,7 +31,8 @@ for name in "${@:-${all[@]}}"; do
     planner_quick) $py -m benchmarks.planner --quick --workloads sinusoid --out "$out/$name" ;;
     tracing_overhead) $py -m benchmarks.tracing_overhead --out "$out/$name" ;;
     kv_tiers_quick) $py -m benchmarks.kv_tiers --quick --out "$out/$name" ;;
-    vs_dynamo) $py -m benchmarks.vs_dynamo --out "$out/$name" ;;
+    vs_dynamo) $py -m benchmarks.vs_dynamo --workloads overhead --out "$out/$name" ;;
+    vs_dynamo_routing) $py -m benchmarks.vs_dynamo --workloads prefix,mooncake --out "$out/$name" ;;
     *) echo "error: unknown result '$name' (one of: ${all[*]})" >&2; exit 2 ;;
   esac
 done
