@@ -196,3 +196,26 @@ async def test_the_speedup_divides_the_simulated_time():
     finally:
         await fast.stop()
         await slow.stop()
+
+
+class WholeMsClock(FakeClock):
+    """A fake clock whose sleeps last whole milliseconds, as uvloop's timers do (it rounds each delay)."""
+
+    async def sleep(self, seconds: float) -> None:
+        await super().sleep(round(seconds * 1e3) / 1e3)
+
+
+@pytest.mark.slow
+async def test_steps_take_the_profiled_time_on_average_whatever_the_timer_rounds():
+    """Back to back, each step is timed from when the one before was due to end: 64 decode steps of ~6.6 ms
+    each rounded to 7 ms would come 25 ms late."""
+    engines = [MockerEngine(EngineConfig(num_kv_blocks=1024), clock=clock) for clock in (FakeClock(), WholeMsClock())]
+    for engine in engines:
+        await engine.start()
+    try:
+        exact, rounded = [await elapsed_s(engine, prompts(1, 128), 65) for engine in engines]
+        assert exact > 64 * 6e-3
+        assert rounded == pytest.approx(exact, abs=1e-3)
+    finally:
+        for engine in engines:
+            await engine.stop()
