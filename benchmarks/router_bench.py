@@ -8,14 +8,17 @@ the same 16-block system prompt and are each held by about two workers; queries 
 at a random block and continued with fresh blocks, so every worker matches the shared prefix and the
 chain's holders match further. Ingest replays BlockStored batches of 16 blocks of 256-block requests spread
 over 64 workers through the whole path: msgpack decode, re-hash of token_ids (skipped for a worker trusted to
-publish the project's hashes), engine-hash map, indexer; Dynamo's Rust RadixTree alongside when importable:
+publish the project's hashes), engine-hash map, indexer. Dynamo's Rust RadixTree alongside when importable,
+fed the same events, and holding the same chains for find_matches and for hashing a prompt plus find_matches:
     PYTHONPATH=<a scratch venv with ai-dynamo-runtime>/lib/python3.11/site-packages python benchmarks/router_bench.py
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import gc
+import json
 import os
 import random
 import statistics
@@ -41,9 +44,24 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def chains(n: int, rng: random.Random) -> list[list[int]]:
-    system = [rng.getrandbits(64) for _ in range(SYSTEM)]
-    return [sequence_hashes(system + [rng.getrandbits(64) for _ in range(CHAIN - SYSTEM)]) for _ in range(n)]
+class Chain:
+    """A held 4096-token chain: its tokens and each system's keys for it (ours: sequence hashes; Dynamo's
+    RadixTree: its local block hashes)."""
+
+    def __init__(self, tokens: array.array, dynamo_hash) -> None:
+        self.tokens = tokens
+        self.hashes = block_hashes(list(tokens), BLOCK)
+        self.dynamo = dynamo_hash(list(tokens), BLOCK) if dynamo_hash else None
+
+
+def random_tokens(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def chains(n: int, rng: random.Random, dynamo_hash) -> list[Chain]:
+    system = random_tokens(SYSTEM * BLOCK, rng)
+    return [Chain(array.array("I", system + random_tokens((CHAIN - SYSTEM) * BLOCK, rng)), dynamo_hash)
+            for _ in range(n)]
 
 
 def percentiles(ns: list[int]) -> tuple[float, float]:
@@ -51,43 +69,84 @@ def percentiles(ns: list[int]) -> tuple[float, float]:
     return ns[len(ns) // 2] / 1e3, ns[int(len(ns) * 0.99)] / 1e3
 
 
-def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Random) -> dict:
+def dynamo_matching():
+    """(RadixTree, compute_block_hash_for_seq) of ai-dynamo-runtime, or None where it is not importable."""
+    try:
+        from dynamo._core import RadixTree, compute_block_hash_for_seq
+    except ImportError:
+        return None
+    return RadixTree, compute_block_hash_for_seq
+
+
+def dynamo_store(tree, worker: int, chain: Chain, event_id: int) -> None:
+    blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(chain.hashes, chain.dynamo)]
+    tree.apply_event(worker, json.dumps({"event_id": event_id, "data": {"stored": {"parent_hash": None,
+                                                                                   "blocks": blocks}}}).encode())
+
+
+def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Random, pool: list[Chain]) -> dict:
+    """Our KvIndexer and, when importable, Dynamo's RadixTree holding the same chains on the same workers,
+    asked the same prompts in turn: find_matches on the prompt's keys, and hashing the prompt's tokens plus
+    find_matches (what a route does)."""
     per_worker = max(1, round(resident / (workers * (CHAIN - SYSTEM))))
-    pool = chains(max(1, workers * per_worker // 2), rng)  # each chain held by ~2 workers
+    dynamo = dynamo_matching()
     gc.collect()
     before = rss_bytes()
     indexer = KvIndexer()
     store_s = 0.0
-    for w in range(workers):
-        for chain in rng.sample(pool, min(per_worker, len(pool))):
-            fresh = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in chain]  # as events make them
-            t0 = time.perf_counter()
-            indexer.store(w, fresh)
-            store_s += time.perf_counter() - t0
+    placed = [(w, chain) for w in range(workers) for chain in rng.sample(pool, min(per_worker, len(pool)))]
+    for w, chain in placed:
+        fresh = [int.from_bytes(h.to_bytes(8, "little"), "little") for h in chain.hashes]  # as events make them
+        t0 = time.perf_counter()
+        indexer.store(w, fresh)
+        store_s += time.perf_counter() - t0
     gc.collect()
     mem = indexer.memory()
     rss = rss_bytes() - before
-    wall, cpu, as_dict, matched = [], [], [], []
-    for _ in range(queries):
+    tree = None
+    if dynamo:
+        tree = dynamo[0]()
+        for i, (w, chain) in enumerate(placed):
+            dynamo_store(tree, w, chain, i)
+        tree.find_matches(pool[0].dynamo)  # ordered after every event: the tree is whole from here
+    t = {k: [] for k in ("wall", "cpu", "as_dict", "route", "dyn", "dyn_route")}
+    matched = []
+    def prompt() -> list[int]:
         chain = rng.choice(pool)
         cut = rng.randrange(SYSTEM, CHAIN)
-        query = chain[:cut] + sequence_hashes(
-            [rng.getrandbits(64) for _ in range(CHAIN - cut)], chain[cut - 1]
-        )
+        return list(chain.tokens[: cut * BLOCK]) + random_tokens((CHAIN - cut) * BLOCK, rng)
+
+    for _ in range(queries):
+        # two prompts: the second measure on the first's prompt would find the index's nodes in the CPU cache
+        asked, hashed = prompt(), prompt()
+        hashes = block_hashes(asked, BLOCK)
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        result = indexer.find_matches(query)
-        cpu.append(time.thread_time_ns() - c0)
-        wall.append(time.perf_counter_ns() - t0)
+        result = indexer.find_matches(hashes)
+        t["cpu"].append(time.thread_time_ns() - c0)
+        t["wall"].append(time.perf_counter_ns() - t0)
         t0 = time.perf_counter_ns()
-        matched.append(len(result.to_dict()))
-        as_dict.append(time.perf_counter_ns() - t0 + wall[-1])
+        ours = result.to_dict()
+        t["as_dict"].append(time.perf_counter_ns() - t0 + t["wall"][-1])
+        matched.append(len(ours))
+        t0 = time.perf_counter_ns()
+        indexer.find_matches(block_hashes(hashed, BLOCK))
+        t["route"].append(time.perf_counter_ns() - t0)
+        if tree is None:
+            continue
+        keys = dynamo[1](asked, BLOCK)
+        t0 = time.perf_counter_ns()
+        theirs = tree.find_matches(keys)
+        t["dyn"].append(time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        tree.find_matches(dynamo[1](hashed, BLOCK))
+        t["dyn_route"].append(time.perf_counter_ns() - t0)
+        # the same question answered the same way, or the comparison means nothing
+        assert {w: n for (w, _), n in theirs.scores.items()} == ours, (theirs.scores, ours)
     return dict(
         workers=workers,
         resident=mem.resident_blocks,
         nodes=mem.nodes,
-        wall=percentiles(wall),
-        cpu=percentiles(cpu),
-        as_dict=percentiles(as_dict),
+        **{k: percentiles(v) if v else None for k, v in t.items()},
         workers_matched=statistics.mean(matched),
         store_blocks_s=mem.resident_blocks / store_s,
         rss_per_block=rss / mem.resident_blocks,
@@ -164,8 +223,6 @@ def bench_dynamo_ingest(requests: list) -> dict | None:
         from dynamo._core import RadixTree
     except ImportError:
         return None
-    import json
-
     events = []
     for r, (_, local, hashes) in enumerate(requests):
         for i in range(0, CHAIN, 16):
@@ -238,23 +295,42 @@ def main() -> None:
     if args.ingest_only:
         return
 
+    dynamo = dynamo_matching()
+    pool_rng = random.Random(args.seed + 1)  # the same held chains whatever ran before
+    pool = chains(max(1, round(args.resident / (CHAIN - SYSTEM) / 2)), pool_rng, dynamo and dynamo[1])
     print(
-        f"\nfind_matches, 256-block prompt (4096 tokens), ~{args.resident:,} resident blocks, "
-        f"{args.queries} queries; p50/p99 in us: wall clock, thread CPU time (no preemption by other "
+        f"\nfind_matches, 256-block prompt (4096 tokens), ~{args.resident:,} resident blocks (chains each held by "
+        f"~2 workers), {args.queries} queries; p50/p99 in us: wall clock, thread CPU time (no preemption by other "
         f"processes), and wall clock including turning the answer into a dict of every matched worker"
     )
     print(
         f"{'workers':>8}{'resident':>11}{'nodes':>10}{'wall p50/p99':>16}{'cpu p50/p99':>16}"
         f"{'dict p50/p99':>16}{'matched':>9}{'store blk/s':>13}{'B/blk rss':>11}{'B/blk est':>11}"
     )
+    results = []
     for workers in args.workers:
-        r = bench_find_matches(workers, args.resident, args.queries, rng)
+        r = bench_find_matches(workers, args.resident, args.queries, rng, pool)
+        results.append(r)
         cols = "".join(f"{f'{a:.1f}/{b:.1f}':>16}" for a, b in (r["wall"], r["cpu"], r["as_dict"]))
         print(
             f"{r['workers']:>8}{r['resident']:>11,}{r['nodes']:>10,}{cols}{r['workers_matched']:>9.1f}"
             f"{r['store_blocks_s']:>13,.0f}{r['rss_per_block']:>11.0f}{r['approx_per_block']:>11.0f}"
         )
         gc.collect()
+    print(
+        "\nbeside Dynamo's RadixTree holding the same chains on the same workers, asked the same prompts in turn "
+        "(its answer checked equal to ours); wall p50/p99 in us: find_matches on the prompt's keys, and hashing "
+        "the prompt's 4096 tokens plus find_matches (ours: block_hashes; Dynamo's: compute_block_hash_for_seq)"
+    )
+    if not dynamo:
+        print("dynamo RadixTree: not installed")
+    else:
+        print(f"{'workers':>8}{'ours':>14}{'dynamo':>14}{'x dynamo':>10}{'ours hashed':>14}{'dynamo hashed':>15}"
+              f"{'x dynamo':>10}")
+        for r in results:
+            (o, o99), (d, d99), (oh, oh99), (dh, dh99) = r["wall"], r["dyn"], r["route"], r["dyn_route"]
+            print(f"{r['workers']:>8}{f'{o:.1f}/{o99:.1f}':>14}{f'{d:.1f}/{d99:.1f}':>14}{d / o:>10.2f}"
+                  f"{f'{oh:.1f}/{oh99:.1f}':>14}{f'{dh:.1f}/{dh99:.1f}':>15}{dh / oh:>10.2f}")
 
     print(
         "\nKvRouter.route end to end (hash the 4096-token prompt, match, load, kv policy), every worker "
@@ -265,13 +341,17 @@ def main() -> None:
         print(f"{workers:>8} workers: p50 {p50:.0f} us, p99 {p99:.0f} us")
 
     tokens = [random.randrange(50_000) for _ in range(CHAIN * BLOCK)]
+    line = "\nhashing a 4096-token prompt into 256 block keys (once per route), mean of 200: ours (block_hashes) "
     t0 = time.perf_counter()
     for _ in range(200):
-        sequence_hashes(local_block_hashes(tokens, BLOCK))
-    print(
-        f"\nhashing a 4096-token prompt into 256 block hashes (done once per route): "
-        f"{(time.perf_counter() - t0) / 200 * 1e6:.0f} us"
-    )
+        block_hashes(tokens, BLOCK)
+    line += f"{(time.perf_counter() - t0) / 200 * 1e6:.0f} us"
+    if dynamo:
+        t0 = time.perf_counter()
+        for _ in range(200):
+            dynamo[1](tokens, BLOCK)
+        line += f", Dynamo's (compute_block_hash_for_seq) {(time.perf_counter() - t0) / 200 * 1e6:.0f} us"
+    print(line)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
  * used when this is not built:
  *   add: router.indexer's `_add`, the ingest hot path (a batch of blocks into the index's dict of worker
  *        bitmasks); tests/router/test_indexer.py runs both;
+ *   match: router.indexer's `_match`, the walk of find_matches (every route asks it); the same tests run both;
  *   block_hashes, local_hashes: router.hashing's scheme over a list of token ids, hashed by the xxh3 of the
  *        xxhash package itself (its extension exports XXH3_64bits_withSeed; found here with dlsym), so the
  *        values are the ones the Python path and every worker compute; tests/router/test_hashing.py runs both.
@@ -54,6 +55,112 @@ static PyObject *add(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         added++;
     }
     return PyLong_FromSsize_t(added);
+}
+
+/* Appends (mask, depth) to levels; 0 on success. Steals nothing. */
+static int level(PyObject *levels, PyObject *mask, Py_ssize_t depth) {
+    PyObject *t = Py_BuildValue("(On)", mask, depth);
+    if (t == NULL)
+        return -1;
+    int rc = PyList_Append(levels, t);
+    Py_DECREF(t);
+    return rc;
+}
+
+/* match(nodes: dict[int, int], hashes: list | tuple) -> list[tuple[int, int]]
+ * Walks the prompt's sequence hashes: the workers holding the first block, and at each block where some of
+ * them stop holding, (the workers that stopped, the blocks they held in a row); the workers holding all at the
+ * end with the whole length. While the first block's holders fit 64 bits (workers in slots below 64: nearly
+ * always) the walk runs on a machine word: only the low 64 bits of each later mask matter. */
+static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_CheckExact(args[0]) || (!PyList_CheckExact(args[1]) && !PyTuple_CheckExact(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "match(nodes: dict, hashes: list | tuple)");
+        return NULL;
+    }
+    PyObject *nodes = args[0], **hashes = PySequence_Fast_ITEMS(args[1]);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[1]), depth = 1;
+    PyObject *levels = PyList_New(0);
+    if (levels == NULL || n == 0)
+        return levels;
+    PyObject *first = PyDict_GetItemWithError(nodes, hashes[0]); /* borrowed */
+    if (first == NULL)
+        return PyErr_Occurred() ? (Py_DECREF(levels), NULL) : levels;
+    uint64_t alive = PyLong_AsUnsignedLongLong(first);
+    if (!(alive == (uint64_t)-1 && PyErr_Occurred())) {
+        for (Py_ssize_t i = 1; i < n && alive; i++, depth++) {
+            PyObject *m = PyDict_GetItemWithError(nodes, hashes[i]);
+            if (m == NULL && PyErr_Occurred())
+                goto fail;
+            uint64_t still = m == NULL ? 0 : alive & PyLong_AsUnsignedLongLongMask(m);
+            if (still != alive) {
+                PyObject *gone = PyLong_FromUnsignedLongLong(alive ^ still);
+                int rc = gone == NULL ? -1 : level(levels, gone, depth);
+                Py_XDECREF(gone);
+                if (rc < 0)
+                    goto fail;
+                alive = still;
+            }
+        }
+        if (alive) {
+            PyObject *held = PyLong_FromUnsignedLongLong(alive);
+            int rc = held == NULL ? -1 : level(levels, held, n);
+            Py_XDECREF(held);
+            if (rc < 0)
+                goto fail;
+        }
+        return levels;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+        goto fail;
+    PyErr_Clear();
+    /* wider masks: the same walk on Python ints */
+    PyObject *zero = PyLong_FromLong(0), *wide = first;
+    if (zero == NULL)
+        goto fail;
+    Py_INCREF(wide);
+    for (Py_ssize_t i = 1; i < n; i++, depth++) {
+        PyObject *m = PyDict_GetItemWithError(nodes, hashes[i]);
+        if (m == NULL && PyErr_Occurred())
+            goto wide_fail;
+        PyObject *still = PyNumber_And(wide, m == NULL ? zero : m);
+        if (still == NULL)
+            goto wide_fail;
+        int same = PyObject_RichCompareBool(still, wide, Py_EQ);
+        if (same < 0) {
+            Py_DECREF(still);
+            goto wide_fail;
+        }
+        if (same) {
+            Py_DECREF(still);
+            continue;
+        }
+        PyObject *gone = PyNumber_Xor(wide, still);
+        int rc = gone == NULL ? -1 : level(levels, gone, depth);
+        Py_XDECREF(gone);
+        Py_DECREF(wide);
+        wide = still;
+        if (rc < 0)
+            goto wide_fail;
+        int any = PyObject_IsTrue(wide);
+        if (any < 0)
+            goto wide_fail;
+        if (!any) {
+            Py_DECREF(wide);
+            Py_DECREF(zero);
+            return levels;
+        }
+    }
+    if (level(levels, wide, n) < 0)
+        goto wide_fail;
+    Py_DECREF(wide);
+    Py_DECREF(zero);
+    return levels;
+wide_fail:
+    Py_DECREF(wide);
+    Py_DECREF(zero);
+fail:
+    Py_DECREF(levels);
+    return NULL;
 }
 
 /* An int of at most one digit read off its object (a token id nearly always): the conversion's cost, where
@@ -186,6 +293,8 @@ static PyObject *local_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL,
      "add(nodes, batch, bit) -> int: set bit in each block's mask; how many lacked it"},
+    {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL,
+     "match(nodes, hashes) -> list[tuple[int, int]]: (workers mask, blocks held in a row) levels of a prompt"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,8 +13,9 @@ What each worker holds is read from those bitmasks; per worker the indexer keeps
 of the batches it stored (a reference each, no per-block work), which clear_worker walks. Removals leave
 stale entries in the log; it is compacted once it holds more than twice the worker's blocks.
 
-A batch's blocks go into the dict through `_add`: router/_index.c where the install compiled it (the ingest
-hot path), the same function in Python otherwise, with a warning.
+A batch's blocks go into the dict through `_add` and find_matches walks it through `_match`: router/_index.c
+where the install compiled it (the ingest and routing hot paths), the same functions in Python otherwise, with
+a warning.
 
 Memory is bounded by `max_nodes` (0 = unbounded): at the bound, new blocks are not indexed and are
 counted in `dropped_blocks`, so matches may under-report but never name a block a worker lacks.
@@ -65,13 +66,34 @@ def _add_py(nodes: dict[int, int], batch: tuple[int, ...], bit: int) -> int:
     return new
 
 
+def _match_py(nodes: dict[int, int], seq_hashes: Sequence[int]) -> list[tuple[int, int]]:
+    """The workers holding the first block, as (workers bitmask, blocks held in a row) levels: one level
+    at each block where some of them stop holding, and the rest with the whole length. router/_index.c is
+    this function in C, built at install; this one runs where it was not built."""
+    levels: list[tuple[int, int]] = []
+    alive = nodes.get(seq_hashes[0], 0) if seq_hashes else 0
+    if not alive:
+        return levels
+    depth = 1
+    for h in seq_hashes[1:]:
+        still = alive & nodes.get(h, 0)
+        if still != alive:
+            levels.append((alive ^ still, depth))
+            alive = still
+            if not alive:
+                return levels
+        depth += 1
+    levels.append((alive, depth))
+    return levels
+
+
 try:
-    from router._index import add as _add
+    from router._index import add as _add, match as _match
 except ImportError:
-    _add = _add_py
+    _add, _match = _add_py, _match_py
     logging.getLogger(__name__).warning(
-        "router._index is not built (no C compiler at install?): the KV indexer runs its Python store "
-        "(slower event ingest); reinstall with gcc and the Python headers to build it")
+        "router._index is not built (no C compiler at install?): the KV indexer runs its Python store and "
+        "match (slower event ingest and routing); reinstall with gcc and the Python headers to build it")
 
 
 class IndexerSnapshot(msgspec.Struct, frozen=True):
@@ -291,23 +313,9 @@ class KvIndexer:
     # -- queries ---------------------------------------------------------------------------------
     def find_matches(self, seq_hashes: Sequence[int]) -> Overlaps:
         """For each worker holding the first block, how many leading blocks it holds in a row."""
-        nodes = self._nodes
-        levels: list[tuple[int, int]] = []
-        if seq_hashes:
-            alive = nodes.get(seq_hashes[0], 0)
-            depth = 1
-            if alive:
-                for h in seq_hashes[1:]:
-                    still = alive & nodes.get(h, 0)
-                    if still != alive:
-                        levels.append((alive ^ still, depth))
-                        alive = still
-                        if not alive:
-                            break
-                    depth += 1
-                if alive:
-                    levels.append((alive, depth))
-        return Overlaps(levels, self._slot_of, self._worker_at)
+        if type(seq_hashes) not in (list, tuple):
+            seq_hashes = list(seq_hashes)
+        return Overlaps(_match(self._nodes, seq_hashes), self._slot_of, self._worker_at)
 
     # -- state -----------------------------------------------------------------------------------
     def dump(self) -> IndexerSnapshot:

@@ -1,5 +1,6 @@
 """benchmarks/vs_dynamo.py's own parts: the CPU it reads from /proc, the frontends it finds, the model folder it
-gives Dynamo's mocker, the one engine timing both mockers read, its flags. The comparison itself needs aiperf and Dynamo's venv: benchmarks/regenerate.sh."""
+gives Dynamo's mocker, the one engine timing both mockers read, its flags. The comparison itself needs aiperf
+and Dynamo's venv: benchmarks/regenerate.sh."""
 
 import json
 import os

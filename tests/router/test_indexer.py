@@ -27,10 +27,12 @@ CHAINS = [block_hashes(p, BLOCK) for p in PROMPTS]
 
 @pytest.fixture(autouse=True, scope="module", params=["compiled", "python"])
 def store_build(request):
-    """Every test here runs on both builds of the indexer's store: router/_index.c and its Python twin."""
+    """Every test here runs on both builds of the indexer's store and match: router/_index.c and their Python
+    twins."""
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "python":
             patch.setattr(indexer_module, "_add", indexer_module._add_py)
+            patch.setattr(indexer_module, "_match", indexer_module._match_py)
         yield request.param
 
 
@@ -219,6 +221,7 @@ def test_the_install_built_the_compiled_store():
     """pyproject.toml builds router/_index.c (optional: the install goes on without a compiler, with a
     warning); the test venv must have it, or the C half of every test here would be the Python one."""
     assert importlib.import_module("router._index").add is not indexer_module._add_py
+    assert importlib.import_module("router._index").match is not indexer_module._match_py
 
 
 def test_the_compiled_and_python_stores_agree_block_for_block():
@@ -236,6 +239,25 @@ def test_the_compiled_and_python_stores_agree_block_for_block():
         compiled({}, [1, 2], 1)
 
 
+def test_the_compiled_and_python_matches_agree_level_for_level():
+    """Masks of every width: the compiled walk runs on a machine word while the first block's holders fit 64
+    bits (later masks wider than that included) and on Python ints beyond."""
+    compiled = importlib.import_module("router._index").match
+    rng = random.Random(1)
+    pool = [rng.getrandbits(64) for _ in range(12)]
+    for _ in range(500):
+        width = rng.choice((3, 64, 65, 600))
+        nodes = {h: rng.getrandbits(width) | (rng.random() < 0.5) << rng.choice((0, 63, 64, 599))
+                 for h in rng.sample(pool, rng.randrange(13))}
+        hashes = [rng.choice(pool) for _ in range(rng.randrange(10))]
+        levels = compiled(nodes, hashes)
+        assert levels == indexer_module._match_py(nodes, hashes) == compiled(nodes, tuple(hashes))
+        assert all(mask for mask, _ in levels)
+    assert compiled({1: 1 << 70 | 1, 2: 1 << 70}, [1, 2, 3]) == [(1, 1), (1 << 70, 2)]
+    with pytest.raises(TypeError, match=r"match\(nodes: dict, hashes: list \| tuple\)"):
+        compiled({}, iter([1]))
+
+
 def test_a_store_after_a_block_the_worker_lacks_stores_nothing():
     indexer = KvIndexer()
     chain = CHAINS[0]
@@ -248,8 +270,9 @@ def test_a_store_after_a_block_the_worker_lacks_stores_nothing():
 
 def test_without_the_compiled_store_the_indexer_says_so_and_works():
     code = ("import sys; sys.modules['router._index'] = None\n"  # as if the install had no compiler
-            "from router.indexer import KvIndexer, _add, _add_py\n"
-            "i = KvIndexer(); i.store('w', [1, 2, 3]); assert _add is _add_py and i.find_matches([1, 2]) == {'w': 2}")
+            "from router.indexer import KvIndexer, _add, _add_py, _match, _match_py\n"
+            "i = KvIndexer(); i.store('w', [1, 2, 3]); assert _add is _add_py and _match is _match_py\n"
+            "assert i.find_matches([1, 2]) == {'w': 2}")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "router._index is not built" in done.stderr and "slower event ingest" in done.stderr
+    assert "router._index is not built" in done.stderr and "slower event ingest and routing" in done.stderr
