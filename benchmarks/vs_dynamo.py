@@ -17,7 +17,9 @@ as JSON with the prefill time of a step's new tokens alone, Dynamo's as the NPZ 
 reads (prefill time by a step's new tokens; decode time by the batch's summed context and mean context,
 evaluated from our table); both with 16-token blocks, 1,024 of them a worker, at most 64 sequences and 2,048
 batched tokens a step. Each system's KV-aware router and its round-robin (ours: `time`, `round_robin`;
-Dynamo: `--router-mode kv`, `round-robin`), a fresh deployment each round running:
+Dynamo: `--router-mode kv`, `round-robin`), and ours with `time` in two frontend processes on one port
+(`--frontend-processes 2`: does a router that shares its placements with another route as well as one?), a
+fresh deployment each round running:
   prefix    10 prompt prefixes of 4,096 tokens (2.5x one worker's cache), each request one of them and 64
             tokens of its own, 32 output tokens, 300 requests at 10 requests/s;
   mooncake  the first 100 rows of the Mooncake conversation trace that fit the context, at its timestamps.
@@ -62,7 +64,11 @@ from dynamo_pd.runtime.ports import free_port
 DEFAULTS = dict(rounds=3, quick_rounds=1, workers=4, mocker_speedup=200.0, isl=128, osl=16, concurrency=64,
                 requests=1200, quick_requests=400)
 WORKLOADS = ("overhead", "prefix", "mooncake")
-ROUTERS = {"dynamo-pd": ("time", "round_robin"), "Dynamo": ("kv", "round-robin")}  # each one's KV-aware first
+# each one's KV-aware first, its round-robin second
+ROUTERS = {"dynamo-pd": ("time", "round_robin", "time_2_frontends"), "Dynamo": ("kv", "round-robin")}
+# ours: (policy, serve flags); two frontend processes on one port, each routing, sharing placements (issue 34)
+OURS = {"time": ("time", ()), "round_robin": ("round_robin", ()),
+        "time_2_frontends": ("time", ("--frontend-processes", "2"))}
 # the routing workloads' engine and load, as issue 34 gives them ((full, --quick) where they differ)
 BLOCK_TOKENS, WORKER_BLOCKS, MAX_SEQS, MAX_BATCHED_TOKENS = 16, 1024, 64, 2048
 PREFIXES, PREFIX_TOKENS, QUESTION_TOKENS, ROUTING_OSL, RATE = 10, 4096, 64, 32, 10.0
@@ -240,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         [str(args.dynamo_python), "-c", "import dynamo.frontend, dynamo.mocker"], capture_output=True).returncode == 0
     systems = ["dynamo-pd", "Dynamo"] if dynamo else ["dynamo-pd"]
     routing = [w for w in args.workloads if w != "overhead"]
-    runs = args.rounds * len(systems) * (("overhead" in args.workloads) + 2 * len(routing))
+    runs = args.rounds * (len(systems) * ("overhead" in args.workloads)
+                          + sum(len(ROUTERS[s]) for s in systems) * len(routing))
     slo = Slo(ttft_ms=1e9, itl_ms=1e9)  # no goodput bound: this compares cost and routing, not an SLO
     session = Session("vs_dynamo", args, slo, argv=argv, runs=runs)
     extra: dict = {}
@@ -319,18 +326,25 @@ def routing_gain(args: argparse.Namespace, session: Session, systems: list[str],
                                          requests=TRACE_REQUESTS[quick], trace=trace)
     configs = [(system, router) for system in systems for router in ROUTERS[system]]
     runs: dict[tuple[str, str, str], list[report.Summary]] = {}
+    shares: dict[str, list[list[float]]] = {}  # workload -> each round's CPU share of each frontend process
     for r in range(args.rounds):
         for system, router in configs if r % 2 == 0 else configs[::-1]:
             log_dir = session.out / "logs" / f"{system}_{router}_{r + 1}"
             if system == "Dynamo":
                 running = dynamo_running(args.dynamo_python, args.workers, 1.0, log_dir, router, engine[system])
             else:
-                running = ours_running(args.workers, log_dir, router, engine[system])
-            with running as (url, _):
+                policy, flags = OURS[router]
+                running = ours_running(args.workers, log_dir, policy, engine[system] + flags)
+            with running as (url, key):
+                frontends = our_frontends(key) if system == "dynamo-pd" else []
                 for name in names:  # the workloads share no prompts: one does not warm the next
+                    before = [cpu_seconds([pid]) for pid in frontends]
                     summary = session.measure(url, f"{system} {router} #{r + 1}", name, None, workloads[name],
                                               args.seed)
                     runs.setdefault((system, router, name), []).append(summary)
+                    used = [cpu_seconds([pid]) - b for pid, b in zip(frontends, before)]
+                    if len(used) > 1:  # each process's share: both served, or the split measured nothing
+                        shares.setdefault(name, []).append([u / max(sum(used), 1e-9) for u in used])
     rows = ["| workload | system | router | TTFT p50 / p90 / p99 ms (each round) | KV hit rate | failed |",
             "|---|---|---|---|---|---|"]
     for name in names:
@@ -339,12 +353,13 @@ def routing_gain(args: argparse.Namespace, session: Session, systems: list[str],
             ttft = ", ".join(f"{s.ttft_ms[50]:.0f} / {s.ttft_ms[90]:.0f} / {s.ttft_ms[99]:.0f}" for s in got)
             hits = ", ".join(f"{s.kv_hit_rate:.2f}" for s in got)
             rows.append(f"| {name} | {system} | {router} | {ttft} | {hits} | {sum(s.failed for s in got)} |")
-    return {"routing_md": "## Routing on one engine timing\n\n" + "\n".join(rows) + "\n"
-            + _routing_ratios(runs, names, systems)}
+    return {"frontend_cpu_shares": shares,
+            "routing_md": "## Routing on one engine timing\n\n" + "\n".join(rows) + "\n"
+            + _routing_ratios(runs, names, systems, shares)}
 
 
 def _routing_ratios(runs: dict[tuple[str, str, str], list[report.Summary]], names: list[str],
-                    systems: list[str]) -> str:
+                    systems: list[str], shares: dict[str, list[list[float]]]) -> str:
     """Each KV-aware router's gain over its own round-robin, and ours against Dynamo's (means of rounds)."""
     def p90(system: str, router: str, name: str) -> float:
         return mean(s.ttft_ms[90] for s in runs[(system, router, name)])
@@ -360,6 +375,12 @@ def _routing_ratios(runs: dict[tuple[str, str, str], list[report.Summary]], name
             ratio = p90("dynamo-pd", "time", name) / p90("Dynamo", "kv", name)
             line += (f"; dynamo-pd time / Dynamo kv: TTFT p90 {ratio:.2f}x (below 1: ours lower), "
                      f"KV hit rate {hit['dynamo-pd']:.2f} against {hit['Dynamo']:.2f}")
+        two = mean(r.kv_hit_rate for r in runs[("dynamo-pd", "time_2_frontends", name)])
+        one = mean(r.kv_hit_rate for r in runs[("dynamo-pd", "time", name)])
+        line += (f"; dynamo-pd time with 2 frontend processes: KV hit rate {two:.2f} against one's {one:.2f}, "
+                 f"TTFT p90 {p90('dynamo-pd', 'time_2_frontends', name) / p90('dynamo-pd', 'time', name):.2f}x "
+                 f"(frontend CPU shares by round: "
+                 f"{', '.join(' / '.join(f'{x:.0%}' for x in got) for got in shares.get(name, []))})")
         lines.append(line)
     return "\n" + "\n".join(lines) + "\n"
 
