@@ -146,7 +146,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                         f"(default {RouterConfig.policy})")
     g.add_argument("--overlap-weight", type=float, default=1.0, help="the kv policy's weight of a prefill block")
     g.add_argument("--router-temperature", type=float, default=0.0)
-    g.add_argument("--busy-kv-fraction", type=float, default=0.95)
+    g.add_argument("--busy-kv-fraction", type=float, default=0.95,
+                   help="a worker whose active KV blocks reach this share of its capacity gets no new request; "
+                        "when every worker of the pool has, a request is refused at once with a 503 (overloaded)")
     g.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="the decode worker prefills locally when the uncached prompt is at most this many tokens")
     g.add_argument("--on-prefill-failure", default="local", choices=["local", "fail"])
