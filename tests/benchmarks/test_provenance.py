@@ -54,6 +54,16 @@ def test_router_bench_prints_its_provenance():
     assert f"host: {model} ({level}; flags: " in first and first.endswith(".")
 
 
+def test_router_bench_runs_whole_on_a_small_index():
+    """Every table of router_bench (ingest, find_matches, beside Dynamo where importable, route, hashing)."""
+    args = ["--ingest-blocks", "512", "--resident", "4000", "--queries", "20", "--workers", "2", "70"]
+    out = subprocess.run([sys.executable, "benchmarks/router_bench.py", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["70"])]
+    assert [r[0] for r in rows[:2]] == ["2", "70"] and all(float(r[-4]) == float(r[0]) for r in rows[:2]), out
+    assert "2 workers: p50" in out and "70 workers: p50" in out and "ours (block_hashes)" in out
+
+
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the host's /proc/cpuinfo")
 def test_comparison_results_carry_provenance(tmp_path):
     """summaries.json and table.md as both comparisons write them (report.write), of a real aiperf export."""
