@@ -48,10 +48,10 @@ class Chain:
     """A held 4096-token chain: its tokens and each system's keys for it (ours: sequence hashes; Dynamo's
     RadixTree: its local block hashes)."""
 
-    def __init__(self, tokens: array.array, dynamo_hash) -> None:
-        self.tokens = tokens
-        self.hashes = block_hashes(list(tokens), BLOCK)
-        self.dynamo = dynamo_hash(list(tokens), BLOCK) if dynamo_hash else None
+    def __init__(self, tokens: list[int], dynamo_hash) -> None:
+        self.tokens = array.array("I", tokens)  # a quarter of a list's memory, for ~2,000 chains
+        self.hashes = block_hashes(tokens, BLOCK)
+        self.dynamo = dynamo_hash(tokens, BLOCK) if dynamo_hash else None
 
 
 def random_tokens(n: int, rng: random.Random) -> list[int]:
@@ -60,8 +60,7 @@ def random_tokens(n: int, rng: random.Random) -> list[int]:
 
 def chains(n: int, rng: random.Random, dynamo_hash) -> list[Chain]:
     system = random_tokens(SYSTEM * BLOCK, rng)
-    return [Chain(array.array("I", system + random_tokens((CHAIN - SYSTEM) * BLOCK, rng)), dynamo_hash)
-            for _ in range(n)]
+    return [Chain(system + random_tokens((CHAIN - SYSTEM) * BLOCK, rng), dynamo_hash) for _ in range(n)]
 
 
 def percentiles(ns: list[int]) -> tuple[float, float]:
@@ -84,12 +83,12 @@ def dynamo_store(tree, worker: int, chain: Chain, event_id: int) -> None:
                                                                                    "blocks": blocks}}}).encode())
 
 
-def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Random, pool: list[Chain]) -> dict:
+def bench_find_matches(workers: int, resident: int, queries: int, rng: random.Random, pool: list[Chain],
+                       dynamo) -> dict:
     """Our KvIndexer and, when importable, Dynamo's RadixTree holding the same chains on the same workers,
     asked the same prompts in turn: find_matches on the prompt's keys, and hashing the prompt's tokens plus
     find_matches (what a route does)."""
     per_worker = max(1, round(resident / (workers * (CHAIN - SYSTEM))))
-    dynamo = dynamo_matching()
     gc.collect()
     before = rss_bytes()
     indexer = KvIndexer()
@@ -219,9 +218,8 @@ def bench_ingest_stages(requests: list) -> tuple[float, float, float]:
 
 def bench_dynamo_ingest(requests: list) -> dict | None:
     """Dynamo's Rust RadixTree (ai-dynamo-runtime, when importable) fed the same chains, pre-encoded."""
-    try:
-        from dynamo._core import RadixTree
-    except ImportError:
+    dynamo = dynamo_matching()
+    if dynamo is None:
         return None
     events = []
     for r, (_, local, hashes) in enumerate(requests):
@@ -229,7 +227,7 @@ def bench_dynamo_ingest(requests: list) -> dict | None:
             blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes[i:i + 16], local[i:i + 16])]
             data = {"stored": {"parent_hash": hashes[i - 1] if i else None, "blocks": blocks}}
             events.append((r % INGEST_WORKERS, json.dumps({"event_id": len(events), "data": data}).encode()))
-    tree = RadixTree()
+    tree = dynamo[0]()
     gc.collect()
     t0, c0 = time.perf_counter(), time.thread_time()
     for worker, payload in events:
@@ -309,7 +307,7 @@ def main() -> None:
     )
     results = []
     for workers in args.workers:
-        r = bench_find_matches(workers, args.resident, args.queries, rng, pool)
+        r = bench_find_matches(workers, args.resident, args.queries, rng, pool, dynamo)
         results.append(r)
         cols = "".join(f"{f'{a:.1f}/{b:.1f}':>16}" for a, b in (r["wall"], r["cpu"], r["as_dict"]))
         print(

@@ -64,11 +64,10 @@ from dynamo_pd.runtime.ports import free_port
 DEFAULTS = dict(rounds=3, quick_rounds=1, workers=4, mocker_speedup=200.0, isl=128, osl=16, concurrency=64,
                 requests=1200, quick_requests=400)
 WORKLOADS = ("overhead", "prefix", "mooncake")
-# each one's KV-aware first, its round-robin second
-ROUTERS = {"dynamo-pd": ("time", "round_robin", "time_2_frontends"), "Dynamo": ("kv", "round-robin")}
 # ours: (policy, serve flags); two frontend processes on one port, each routing, sharing placements (issue 34)
 OURS = {"time": ("time", ()), "round_robin": ("round_robin", ()),
         "time_2_frontends": ("time", ("--frontend-processes", "2"))}
+ROUTERS = {"dynamo-pd": tuple(OURS), "Dynamo": ("kv", "round-robin")}  # each one's KV-aware first, round-robin second
 # the routing workloads' engine and load, as issue 34 gives them ((full, --quick) where they differ)
 BLOCK_TOKENS, WORKER_BLOCKS, MAX_SEQS, MAX_BATCHED_TOKENS = 16, 1024, 64, 2048
 PREFIXES, PREFIX_TOKENS, QUESTION_TOKENS, ROUTING_OSL, RATE = 10, 4096, 64, 32, 10.0
