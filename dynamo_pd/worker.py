@@ -221,10 +221,13 @@ class Worker:
     async def _publish_load(self) -> None:
         while True:
             stats = self.engine.stats
+            counted_at = getattr(stats, "counted_at", None)
             metrics = LoadMetrics(
                 worker_id=self.worker_id, num_running=stats.num_running, num_waiting=stats.num_waiting,
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-                active_prefill_tokens=stats.num_active_prefill_tokens, **stats.costs._asdict(),
+                active_prefill_tokens=stats.num_active_prefill_tokens,
+                counted_s_ago=0.0 if counted_at is None else max(0.0, time.monotonic() - counted_at),
+                **stats.costs._asdict(),
                 **getattr(stats, "fetch", FetchCosts())._asdict(),
             )
             with contextlib.suppress(Exception):  # a momentary event-plane hiccup must not stop serving

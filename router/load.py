@@ -7,6 +7,11 @@ Prediction follows each request the router (or a replica, through router.replica
 Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
 freed early, output growth). At each report the difference report - prediction becomes the worker's
 offset, added to the prediction until the next report, so load placed after the report still counts.
+The prediction it is taken against leaves out the placements the report cannot hold yet: those made
+after the worker's counts were fixed (LoadMetrics.counted_s_ago, its last step's start), less
+ARRIVAL_S for the request's way to the engine. Without that, a report taken while a burst's requests
+were on their way cancelled them until the next report, and the burst piled onto the workers whose
+reports came in between (Mooncake's first rows: three of six prompts of 7,000 tokens on one of four).
 A worker whose reports stop (it hangs, or the event plane is down) keeps its offset for
 `HOLD_INTERVALS` report intervals (the gap between its last two reports), then the offset fades
 linearly to 0 over `FADE_INTERVALS` more: a near-full worker gone quiet does not look busy forever.
@@ -18,7 +23,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from router.indexer import WorkerId
@@ -26,6 +32,11 @@ from router.worker import LoadMetrics, Role
 
 HOLD_INTERVALS = 2.0
 FADE_INTERVALS = 3.0
+# The most a placement takes to reach the worker's engine (the frontend's send, the RPC, the engine's command
+# queue): younger than that at the counts' time, it is taken as not in them. Too long only counts a request
+# twice until the next report; too short loses it until then.
+ARRIVAL_S = 0.05
+RECENT_S = 60.0  # a placement this old is in any report (counts older than that: a stalled worker's)
 
 
 class LoadKey(NamedTuple):
@@ -75,7 +86,9 @@ class _Placement:
     worker_id: WorkerId
     prefill_tokens: int
     blocks: int
+    placed_at: float
     prefill_done: bool = False
+    finished: bool = False
 
 
 @dataclass
@@ -91,6 +104,7 @@ class _Worker:
     fetch: FetchCosts = FetchCosts()
     reported_at: float | None = None  # clock time of the last report
     report_interval_s: float = 0.0  # gap between the last two reports (0: one report or none yet)
+    recent: deque[_Placement] = field(default_factory=deque)  # placements a report may not hold yet, oldest first
 
 
 class LoadTracker:
@@ -119,9 +133,13 @@ class LoadTracker:
                 f"request {key!r} is already placed on worker {self._placements[key].worker_id!r}"
             )
         worker = self._worker(worker_id)
-        self._placements[key] = _Placement(
-            worker_id, prefill_tokens, blocks, prefill_done=prefill_tokens == 0
+        self._placements[key] = placement = _Placement(
+            worker_id, prefill_tokens, blocks, self._clock(), prefill_done=prefill_tokens == 0
         )
+        recent = worker.recent
+        recent.append(placement)
+        while recent[0].finished or recent[0].placed_at <= placement.placed_at - RECENT_S:  # bounded without reports
+            recent.popleft()
         worker.prefill_tokens += prefill_tokens
         worker.blocks += blocks
         worker.requests += 1
@@ -141,6 +159,7 @@ class LoadTracker:
         placement = self._placements.pop(key, None)
         if placement is None:
             return False
+        placement.finished = True
         worker = self._workers.get(placement.worker_id)
         if worker is not None:
             worker.blocks -= placement.blocks
@@ -154,9 +173,15 @@ class LoadTracker:
             worker.report_interval_s = now - worker.reported_at
         worker.reported_at = now
         worker.capacity_blocks = metrics.num_total_blocks or worker.capacity_blocks
-        worker.prefill_offset = metrics.active_prefill_tokens - worker.prefill_tokens
-        worker.blocks_offset = metrics.num_total_blocks - metrics.num_free_blocks - worker.blocks
-        worker.requests_offset = metrics.num_running + metrics.num_waiting - worker.requests
+        counted = now - metrics.counted_s_ago - ARRIVAL_S
+        while worker.recent and worker.recent[0].placed_at <= counted:
+            worker.recent.popleft()  # in this report's counts, and in every later one's
+        unseen = [p for p in worker.recent if not p.finished]
+        worker.prefill_offset = (metrics.active_prefill_tokens - worker.prefill_tokens
+                                 + sum(p.prefill_tokens for p in unseen if not p.prefill_done))
+        worker.blocks_offset = (metrics.num_total_blocks - metrics.num_free_blocks - worker.blocks
+                                + sum(p.blocks for p in unseen))
+        worker.requests_offset = metrics.num_running + metrics.num_waiting - worker.requests + len(unseen)
         worker.costs = StepCosts(metrics.prefill_s_per_token, metrics.decode_s, metrics.decode_s_per_block,
                                  metrics.output_tokens)
         worker.fetch = FetchCosts(*(getattr(metrics, name) for name in FetchCosts._fields))

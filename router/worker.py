@@ -27,6 +27,9 @@ class LoadMetrics(msgspec.Struct, kw_only=True):
     num_free_blocks: int  # blocks no running request holds (evictable cached blocks count as free)
     num_total_blocks: int
     active_prefill_tokens: int = 0  # prompt tokens admitted but not yet prefilled
+    # how long before it sent this report the worker's counts were fixed: a request that reached its engine
+    # since is not in them (0: as of the report)
+    counted_s_ago: float = 0.0
     # the worker's measured step costs (router.load.StepCosts); None: not measured yet, or not an engine that does
     prefill_s_per_token: float | None = None
     decode_s: float | None = None

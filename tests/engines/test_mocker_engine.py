@@ -4,6 +4,7 @@ lease and load-failure tests run against mockers, and its step and transfer time
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -60,9 +61,9 @@ async def decode_costs(own_work_s: float):
     engine = MockerEngine(EngineConfig(num_kv_blocks=48, extra={"speedup": 1.0}), clock=clock)
     deliver = engine._deliver
 
-    def slow_deliver(outputs):
+    def slow_deliver(outputs, counted_at):
         clock.t += own_work_s
-        deliver(outputs)
+        deliver(outputs, counted_at)
 
     engine._deliver = slow_deliver
     await engine.start()
@@ -72,6 +73,15 @@ async def decode_costs(own_work_s: float):
         return engine._core.step_costs.costs()
     finally:
         await engine.stop()
+
+
+async def test_the_stats_say_when_their_requests_were_counted(engines):
+    """EngineStats.counted_at: the start of the step the stats come from, in real time (a router takes a
+    request placed after it as not yet in them, router/load.py)."""
+    aggregated = engines[0]
+    before = time.monotonic()
+    await collect(aggregated, request("r", [300] * 64, max_tokens=4))
+    assert before <= aggregated.stats.counted_at <= time.monotonic()
 
 
 async def test_measured_step_costs_are_what_steps_take_with_the_engines_own_work():

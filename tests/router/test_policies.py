@@ -1,13 +1,14 @@
 """Routing policies, busy thresholds, predicted + corrected load, pools, and the KvRouter facade."""
 
 import math
+import time
 from collections import Counter
 
 import pytest
 
 from dynamo_pd.protocol import LoadMetrics
 from router.hashing import block_hashes
-from router.load import WorkerLoad
+from router.load import ARRIVAL_S, WorkerLoad
 from router.policies import (
     CacheAwarePolicy,
     Candidate,
@@ -159,6 +160,7 @@ def test_predicted_load_follows_the_request_and_metrics_correct_it():
     router.mark_prefill_done("r1")
     assert router.load.load("w0").prefill_tokens == 0
     # the worker reports more than predicted (requests from elsewhere): the offset stays until the next report
+    time.sleep(2 * ARRIVAL_S)  # its counts are taken once r1 reached it (test_load_burst.py: before)
     router.update_load_metrics(metrics("w0", used_blocks=30, running=3))
     assert (router.load.load("w0").blocks, router.load.load("w0").requests) == (30, 3)
     router.route("prefill", "r2", PROMPT)

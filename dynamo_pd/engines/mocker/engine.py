@@ -163,6 +163,7 @@ class MockerEngine(CoreDriver):
             busy = bool(self._commands) or (core.has_work and not core.stalled)  # no wait: back to back
             await self._wait_for_work()
             commands, self._commands = self._commands, []
+            counted_at = time.monotonic()  # real time, as the routers reading the stats keep it
             for command in commands:
                 try:
                     command()
@@ -177,7 +178,7 @@ class MockerEngine(CoreDriver):
                 if stepped:  # the forward pass the profile gives this batch
                     due = (due if busy and started - due < _CATCH_UP_S else started) + core.step_s
                     await self.clock.sleep(due - self.clock.now())
-            self._deliver(outputs)
+            self._deliver(outputs, counted_at)
             if stepped:
                 core.step_taken(self.clock.now() - started)
 

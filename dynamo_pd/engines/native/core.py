@@ -63,6 +63,9 @@ class EngineStats:
     costs: StepCosts = StepCosts()  # what its steps cost, measured (step_costs.py)
     fetch: FetchCosts = FetchCosts()  # what fetching KV costs it (tiers, peers), measured (step_costs.py)
     tiers: tuple[TierUse, ...] = ()  # each lower tier's blocks and what it served (tiers.py)
+    # time.monotonic() when the requests these counts hold were fixed (the commands run before the step): one
+    # that reached the engine later is not in them, which a router must know (router/load.py); None: unknown
+    counted_at: float | None = None
 
 
 class EngineCore:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -251,10 +251,12 @@ class CoreDriver(Engine):
             log.exception("%s step failed", type(self).__name__)
             return self._core.fail_all(f"engine step failed: {exc!r}")
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
-        """After a step: its outputs to their requests, then load orders to newly admitted DECODE ones."""
+    def _deliver(self, outputs: list[EngineOutput], counted_at: float) -> None:
+        """After a step: its outputs to their requests, then load orders to newly admitted DECODE ones.
+        `counted_at`: when the commands before the step ran (EngineStats.counted_at)."""
         core = self._core
-        self.stats = core.stats()  # before delivery: a caller seeing an output sees stats after it
+        # before delivery: a caller seeing an output sees stats after it
+        self.stats = replace(core.stats(), counted_at=counted_at)
         self._emit_all(outputs)
         for seq in core.take_new_loads():
             if seq.peer_load:  # what it has (hits, tier copies) is computed already

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -132,8 +133,9 @@ class NativeEngine(CoreDriver):
         core = self._core
         while not self._stopping:
             self._run_commands(block=not core.has_work or core.stalled)
+            counted_at = time.monotonic()
             core.expire_handoffs()
-            self._deliver(self._step() if core.has_work else [])
+            self._deliver(self._step() if core.has_work else [], counted_at)
 
     def _run_commands(self, block: bool) -> None:
         try:
