@@ -14,7 +14,7 @@ from dynamo_pd.engines.mocker.profile import Profile, h100_llama8b
 from dynamo_pd.engines.native.step_costs import StepCostMeter, StepLoad
 from dynamo_pd.protocol import EngineRequest, LoadMetrics, SamplingParams, StopConditions
 from router.hashing import block_hashes
-from router.load import StepCosts, WorkerLoad
+from router.load import LoadTracker, StepCosts, WorkerLoad
 from router.policies import PRIOR, Candidate, KvAwarePolicy, RouteRequest, TimePolicy
 from router.service import KvRouter, RouterConfig
 
@@ -154,6 +154,7 @@ def simulate(policy: str, workload: Workload, profile: Profile, num_blocks: int,
     cores = {f"w{i}": MockerCore(EngineConfig(num_kv_blocks=num_blocks, block_size=BS), profile)
              for i in range(workers)}
     router = KvRouter(RouterConfig(block_size=BS, policy=policy, seed=workload.seed, **router_config))
+    router.load = LoadTracker(clock=lambda: now)  # the simulated time: placements and reports are in it
     for w in cores:
         router.add_worker(w, "aggregated", num_blocks)
     prompts = iter(enumerate(workload.prompts()))
@@ -191,7 +192,8 @@ def simulate(policy: str, workload: Workload, profile: Profile, num_blocks: int,
         router.update_load_metrics(LoadMetrics(
             worker_id=w, num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-            active_prefill_tokens=stats.num_active_prefill_tokens, **stats.costs._asdict()))
+            active_prefill_tokens=stats.num_active_prefill_tokens, counted_s_ago=cores[w].step_s,
+            **stats.costs._asdict()))  # its counts: the requests the step began with
     assert len(ttft) == workload.requests
     return list(ttft.values()), cores
 
