@@ -131,6 +131,7 @@ class LlamaCppEngine(Engine):
         self._eog = frozenset(t for t in range(llm.n_vocab()) if C.llama_vocab_is_eog(vocab, t))
         self._vocab = _Vocab(llm)
         self.grammars = Grammars(_tokenizer_info(llm, self._eog))
+        self.grammars.compiler()  # its Grammars' docstring: why before serving
         if self.role is EngineRole.AGGREGATED:
             self.pool = BlobPool(1, 2)  # nothing to stage; the worker's agent still wants a cache to wrap
             return

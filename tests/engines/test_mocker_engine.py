@@ -26,6 +26,7 @@ from test_native_engine import (  # noqa: F401 - collected here
 
 from dynamo_pd.engines.base import EngineConfig, EngineRole, create_engine
 from dynamo_pd.engines.mocker.engine import FakeClock, MockerEngine
+from dynamo_pd.engines.native.grammar import huggingface_grammars
 from dynamo_pd.runtime import RequestContext
 
 pytestmark = pytest.mark.slow  # the served model's tokenizer and config
@@ -71,6 +72,18 @@ async def decode_costs(own_work_s: float):
         await asyncio.gather(*[collect(engine, request(f"r{i}", [300 + i] * 64, max_tokens=40))
                                for i in range(4)])
         return engine._core.step_costs.costs()
+    finally:
+        await engine.stop()
+
+
+async def test_a_started_engine_has_its_grammar_tables():
+    """start() returns once the vocabulary's grammar tables are built (their build holds the GIL for
+    seconds: a worker registered before it served its first requests that much later)."""
+    huggingface_grammars.cache_clear()  # the tables of this process's earlier engines are not this one's
+    engine = MockerEngine(EngineConfig(num_kv_blocks=48, extra={"speedup": SPEEDUP}))
+    await engine.start()
+    try:
+        assert engine._core.grammars._compiler is not None
     finally:
         await engine.stop()
 

@@ -87,6 +87,7 @@ class MockerEngine(CoreDriver):
         if self._task is not None:
             return
         self._core = await asyncio.to_thread(MockerCore, self.config, self.profile, self.speedup)
+        await asyncio.to_thread(self._core.grammars.compiler)  # grammar.py's Grammars: why before serving
         self.stats = self._core.stats()
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run())

@@ -40,6 +40,7 @@ class NativeEngine(CoreDriver):
         if self._core is not None:
             return
         self._core = await asyncio.to_thread(EngineCore, self.config)
+        await asyncio.to_thread(self._core.grammars.compiler)  # grammar.py's Grammars: why before serving
         self.stats = self._core.stats()
         self._thread = threading.Thread(target=self._run, name="native-engine-step", daemon=True)
         self._thread.start()
