@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,8 +51,24 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def port_below_the_ephemeral_range() -> int:
+    """A free port that no outgoing connection can take (Linux's ephemeral range starts at 32768): the worker
+    connects to discovery for seconds before it listens, and one of its attempts (or another test's
+    connection) once took a port picked by free_port(), so the frontend could not bind it (a full run, 2026-11-29)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+
+
 def test_ready_follows_the_registration_and_the_drain(tmp_path):
-    metrics_port, http_port, discovery = free_port(), free_port(), f"tcp://127.0.0.1:{free_port()}"
+    discovery = f"tcp://127.0.0.1:{port_below_the_ephemeral_range()}"
+    metrics_port, http_port = free_port(), free_port()
     endpoint = f"http://127.0.0.1:{metrics_port}"
     worker = spawn(tmp_path, "worker", "dynamo_pd.aggregated", "--engine", "mocker", "--worker-id", "agg-0",
                    "--discovery", discovery, "--metrics-port", str(metrics_port), "--drain-timeout-s", "120")
