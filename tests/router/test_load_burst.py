@@ -4,14 +4,7 @@ ARRIVAL_S and LoadMetrics.counted_s_ago); once the worker's counts hold it, it c
 from router.load import ARRIVAL_S, LoadKey, LoadTracker
 from router.service import KvRouter, RouterConfig
 from router.worker import LoadMetrics, Role
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.router.test_load_decay import Clock
 
 
 def idle(worker_id: str, counted_s_ago: float = 0.0, **held: int) -> LoadMetrics:
