@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from dynamo_pd.runtime.tasks import cancel_and_wait
@@ -22,9 +22,22 @@ class RequestContext:
         self.worker_id: str | None = None
         self.metadata: dict[str, str] = metadata or {}
         self._cancelled = asyncio.Event()
+        self._on_cancel: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        for callback in self._on_cancel:
+            callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (on this loop, at once) when the context is cancelled, or now if it is already.
+        Returns what removes it: a waiter that watches cancellation without a task of its own."""
+        if self.cancelled:
+            callback()
+        self._on_cancel.append(callback)
+        return lambda: self._on_cancel.remove(callback)
 
     @property
     def cancelled(self) -> bool:

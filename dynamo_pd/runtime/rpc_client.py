@@ -39,6 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dynamo_pd.runtime import rpc_wire as wire
 from dynamo_pd.runtime.context import RequestContext
+from dynamo_pd.runtime.inbox import Inbox
 from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.zmq_send import send_now
 from dynamo_pd.runtime.errors import (
@@ -60,40 +61,6 @@ _END = object()
 _CANCELLED = object()
 
 
-class _Inbox:
-    """One stream's chunks (and its end or error) as the connection's reader delivers them, and the one
-    task waiting for them: a list and a future, where a queue and wait_for cost a task per chunk."""
-
-    __slots__ = ("items", "_waiter")
-
-    def __init__(self) -> None:
-        self.items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, item) -> None:
-        self.items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def wait(self, timeout_s: float | None) -> bool:
-        """Until something arrives (True) or `timeout_s` passes (False)."""
-        if self.items:
-            return True
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self._waiter = None
-
-    def take(self) -> list:
-        items, self.items = self.items, []
-        return items
-
-
 class _Connection:
     """One DEALER to one worker; owns the queues of the streams open on it."""
 
@@ -113,7 +80,7 @@ class _Connection:
         self.settled = asyncio.Event()  # connected, or failed
         self.gone: WorkerGoneError | None = None
         self.released = False  # the worker left discovery: close once the last stream ends
-        self._streams: dict[int, _Inbox] = {}
+        self._streams: dict[int, Inbox] = {}
         self._ids = itertools.count(1)
         try:
             self._sock.connect(endpoint)
@@ -127,11 +94,11 @@ class _Connection:
                        asyncio.create_task(self._watch_connection(), name=f"rpc-monitor-{endpoint}"),
                        asyncio.create_task(self._ping(), name=f"rpc-ping-{endpoint}")]
 
-    def open(self, payload: bytes, context: RequestContext) -> tuple[int, _Inbox]:
+    def open(self, payload: bytes, context: RequestContext) -> tuple[int, Inbox]:
         if self.gone is not None:
             raise self.gone
         stream = next(self._ids)
-        inbox = _Inbox()
+        inbox = Inbox()
         self._streams[stream] = inbox
         self._send([wire.encoder.encode(wire.Open(stream, context.request_id, context.metadata)), payload])
         return stream, inbox
@@ -168,24 +135,27 @@ class _Connection:
 
     def _deliver(self, frames: list[bytes]) -> None:
         try:
-            msg = wire.client_decoder.decode(frames[0])
+            headers = wire.client_decoder.decode(frames[0])
         except Exception as exc:
             log.warning("rpc client: dropping malformed message from %s: %s", self.endpoint, exc)
             return
-        inbox = self._streams.get(msg.stream)
-        if inbox is None:
-            return  # a stream we already closed
-        if isinstance(msg, wire.Data):
-            inbox.put(frames[1] if len(frames) > 1 else b"")
-        elif isinstance(msg, wire.End):
-            inbox.put(_END)
-        elif msg.client_error:  # rebuilt as the error it was, so no caller retries it
-            error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
-            inbox.put(error(msg.message, msg.param))
-        elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere
-            inbox.put(WorkerDrainingError(f"worker {self.endpoint}: {msg.message}"))
-        else:
-            inbox.put(RemoteError(msg.error_type, msg.message, self.endpoint))
+        payloads = iter(frames[1:])
+        for msg in headers:
+            payload = next(payloads, b"") if isinstance(msg, wire.Data) else None
+            inbox = self._streams.get(msg.stream)
+            if inbox is None:
+                continue  # a stream we already closed
+            if payload is not None:
+                inbox.put(payload)
+            elif isinstance(msg, wire.End):
+                inbox.put(_END)
+            elif msg.client_error:  # rebuilt as the error it was, so no caller retries it
+                error = PromptTooLongError if msg.error_type == PromptTooLongError.__name__ else InvalidRequestError
+                inbox.put(error(msg.message, msg.param))
+            elif msg.error_type == WorkerDrainingError.__name__:  # the worker is leaving: serve it elsewhere
+                inbox.put(WorkerDrainingError(f"worker {self.endpoint}: {msg.message}"))
+            else:
+                inbox.put(RemoteError(msg.error_type, msg.message, self.endpoint))
 
     async def _watch_connection(self) -> None:
         while True:
@@ -294,11 +264,7 @@ class RpcClient:
         conn = await self._connection(endpoint)
         stream, inbox = conn.open(payload, context)
 
-        async def forward_cancel() -> None:
-            await context.wait_cancelled()
-            inbox.put(_CANCELLED)
-
-        watcher = asyncio.create_task(forward_cancel(), name=f"rpc-cancel-{context.request_id}")
+        forget_cancel = context.on_cancel(lambda: inbox.put(_CANCELLED))
         timeout, timeout_error = first_response_timeout_s or self.first_response_timeout_s, FirstResponseTimeoutError
         finished = False
         try:
@@ -324,7 +290,7 @@ class RpcClient:
                 finished = True  # an error: the worker's side is over already
                 raise item
         finally:
-            watcher.cancel()
+            forget_cancel()
             conn.close_stream(stream, cancel=not finished)
             self._forget_if_closed(conn)
 

@@ -40,6 +40,7 @@ from dynamo_pd.runtime.errors import InvalidRequestError, WorkerDrainingError
 from dynamo_pd.runtime.ports import advertised
 from dynamo_pd.runtime.security import RPC_MAX_BYTES, Security, current
 from dynamo_pd.runtime.tasks import cancel_and_wait
+from dynamo_pd.runtime.zmq_send import send_now
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class RpcServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._streams: dict[tuple[bytes, int], tuple[asyncio.Task, RequestContext]] = {}
         self._last_seen: dict[bytes, float] = {}
+        # what this turn of the loop produced for each client, sent as one message at its end
+        self._outbox: dict[bytes, tuple[list[wire.ToClient], list[bytes]]] = {}
+        self._flush_handle: asyncio.Handle | None = None
+        self._unreachable: set[bytes] = set()  # clients a send failed to, until they send again
         self._tasks: list[asyncio.Task] = []
         self._draining = False
         self.endpoint = ""
@@ -96,9 +101,9 @@ class RpcServer:
         cut = list(self._streams.items())
         for key, (_task, context) in cut:
             self._cancel(key)
-            await self._send(key[0], context, wire.Fail(key[1], WorkerDrainingError.__name__,
-                                                         f"the worker is shutting down; its drain timeout "
-                                                         f"({timeout_s:g}s) ended request {context.request_id}"))
+            self._send(key[0], context, wire.Fail(key[1], WorkerDrainingError.__name__,
+                                                   f"the worker is shutting down; its drain timeout "
+                                                   f"({timeout_s:g}s) ended request {context.request_id}"))
         return len(cut)
 
     async def close(self) -> None:
@@ -108,6 +113,9 @@ class RpcServer:
         await cancel_and_wait(tasks)
         self._tasks = []
         if self._sock is not None:
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+            self._flush()  # what drain() ended them with
             self._sock.close()
             self._sock = None
 
@@ -123,13 +131,14 @@ class RpcServer:
             frames = await self._sock.recv_multipart()
             peer = frames[0]
             self._last_seen[peer] = time.monotonic()
+            self._unreachable.discard(peer)
             try:
                 msg = wire.server_decoder.decode(frames[1])
             except (msgspec.DecodeError, IndexError) as exc:
                 log.warning("rpc server: dropping malformed message from %r: %s", peer, exc)
                 continue
             if isinstance(msg, wire.Open) and self._draining:
-                await self._send(peer, RequestContext(msg.request_id), wire.Fail(
+                self._send(peer, RequestContext(msg.request_id), wire.Fail(
                     msg.stream, WorkerDrainingError.__name__, "the worker is shutting down and takes no new requests"))
             elif isinstance(msg, wire.Open):
                 key = (peer, msg.stream)
@@ -152,31 +161,48 @@ class RpcServer:
         try:
             async with contextlib.aclosing(self._handler(payload, context)) as chunks:
                 async for chunk in chunks:
-                    if not await self._send(peer, context, wire.Data(stream), chunk):
+                    if not self._send(peer, context, wire.Data(stream), chunk):
                         return  # leaving the block closes the handler, its context already cancelled
-            await self._send(peer, context, wire.End(stream))
+            self._send(peer, context, wire.End(stream))
         except asyncio.CancelledError:
             pass  # cancelled by the client, its absence, or close(): nobody waits for an answer
         except InvalidRequestError as exc:
             log.info("rpc stream %s refused: %s", context.request_id, exc)
-            await self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc), True, exc.param))
+            self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc), True, exc.param))
         except Exception as exc:
             log.exception("rpc stream %s failed", context.request_id)
-            await self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc)))
+            self._send(peer, context, wire.Fail(stream, type(exc).__name__, str(exc)))
         finally:
             if self._streams.get(key, (None,))[0] is asyncio.current_task():
                 del self._streams[key]
 
-    async def _send(self, peer: bytes, context: RequestContext, header: wire.ToClient,
-                    *payload: bytes) -> bool:
-        """False (and the context cancelled) when the client is gone."""
-        try:
-            await self._sock.send_multipart([peer, wire.encoder.encode(header), *payload])
-            return True
-        except zmq.ZMQError as exc:
-            log.info("rpc stream %s: client unreachable (%s); cancelling", context.request_id, exc)
+    def _send(self, peer: bytes, context: RequestContext, header: wire.ToClient, *payload: bytes) -> bool:
+        """Queue `header` (and a Data's payload) for `peer`, sent with the rest of this turn's messages to
+        it; False (and the context cancelled) when the client is gone."""
+        if peer in self._unreachable:
             context.cancel()
             return False
+        headers, payloads = self._outbox.setdefault(peer, ([], []))
+        headers.append(header)
+        payloads += payload
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+        return True
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        outbox, self._outbox = self._outbox, {}
+        if self._sock is None:
+            return
+        for peer, (headers, payloads) in outbox.items():
+            try:
+                send_now(self._sock, [peer, wire.encoder.encode(headers), *payloads])
+            except zmq.ZMQError as exc:  # gone (EHOSTUNREACH), or 100k messages queued that it does not read
+                keys = [key for key in self._streams if key[0] == peer]
+                log.info("rpc client %s unreachable (%s); cancelling its %d streams", peer.hex()[:8], exc, len(keys))
+                self._unreachable.add(peer)
+                for key in keys:
+                    self._cancel(key)
 
     async def _reap(self) -> None:
         """Cancel the streams of clients that stopped pinging (crashed, or their host went away)."""
@@ -190,3 +216,4 @@ class RpcServer:
                 self._cancel(key)
             for peer in silent:
                 del self._last_seen[peer]
+            self._unreachable -= silent

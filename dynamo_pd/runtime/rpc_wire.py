@@ -1,8 +1,10 @@
 """Request-plane wire: a msgpack header frame, then the payload frame where there is one.
 
 client DEALER -> server ROUTER:  [Open, payload] | [Cancel] | [Ping]
-server ROUTER -> client DEALER:  [Data, payload] | [End] | [Fail]
-`stream` numbers a client's streams; many share one connection.
+server ROUTER -> client DEALER:  [[Data | End | Fail, ...], payload of each Data in order, ...]
+`stream` numbers a client's streams; many share one connection. The server sends what a turn of its loop
+produced for one client as one message (a step's tokens for every stream of that client): a ZMQ send
+costs far more than its bytes.
 """
 
 from __future__ import annotations
@@ -45,4 +47,4 @@ ToClient = Data | End | Fail
 
 encoder = msgspec.msgpack.Encoder()
 server_decoder = msgspec.msgpack.Decoder(ToServer)
-client_decoder = msgspec.msgpack.Decoder(ToClient)
+client_decoder = msgspec.msgpack.Decoder(list[ToClient])

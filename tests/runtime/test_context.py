@@ -72,3 +72,22 @@ async def test_a_cancel_already_set_gives_none_before_any_item_is_awaited_foreve
     context.cancel()
     async with contextlib.aclosing(context.until_cancelled(stream.gen)) as outs:
         assert [out async for out in outs] == [None]
+
+
+async def test_on_cancel_calls_back_once_at_the_cancel_or_at_once_and_can_be_forgotten():
+    from dynamo_pd.runtime.inbox import Inbox
+
+    context, calls = RequestContext("r"), []
+    forget = context.on_cancel(lambda: calls.append("first"))
+    forget_second = context.on_cancel(lambda: calls.append("second"))
+    forget_second()
+    inbox = Inbox()
+    waiting = asyncio.ensure_future(inbox.wait(10.0))
+    context.on_cancel(inbox.wake)
+    await asyncio.sleep(0)
+    context.cancel()
+    context.cancel()
+    assert calls == ["first"] and await asyncio.wait_for(waiting, 1.0) is True and not inbox.items
+    forget()
+    context.on_cancel(lambda: calls.append("late"))  # already cancelled: called at once
+    assert calls == ["first", "late"]

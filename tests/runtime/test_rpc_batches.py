@@ -58,3 +58,36 @@ async def test_chunks_that_arrived_together_come_as_one_batch_and_the_end_after_
                 await asyncio.wait_for(anext(batches), TIMEOUT_S)
         finally:
             await client.close()
+
+
+async def test_what_one_turn_of_the_worker_produced_for_a_client_is_one_message():
+    """An engine step wakes every stream at once; their chunks (and ends) go to the client as one ZMQ message,
+    not one each: a send costs far more than its bytes. A raw DEALER counts the messages."""
+    import zmq
+    import zmq.asyncio
+
+    from dynamo_pd.runtime import rpc_wire as wire
+
+    step = asyncio.Event()
+
+    async def handler(payload: bytes, context: RequestContext):
+        await step.wait()
+        yield payload
+
+    async with RpcServer(handler) as server:
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(server.endpoint)
+        try:
+            for stream in range(1, 9):
+                await sock.send_multipart([wire.encoder.encode(wire.Open(stream, f"r{stream}")), b"%d" % stream])
+            while server.num_streams < 8:
+                await asyncio.sleep(0.01)
+            step.set()
+            frames = await asyncio.wait_for(sock.recv_multipart(), TIMEOUT_S)
+            headers = wire.client_decoder.decode(frames[0])
+            assert [type(h) for h in headers] == [wire.Data, wire.End] * 8
+            assert [h.stream for h in headers] == [s for s in range(1, 9) for _ in (0, 1)]
+            assert frames[1:] == [b"%d" % s for s in range(1, 9)]
+        finally:
+            sock.close()
