@@ -20,14 +20,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from dynamo_pd.engines.base import EngineConfig, KVLoader
 from dynamo_pd.engines.mocker.core import MockerCore
 from dynamo_pd.engines.mocker.profile import Profile, h100_llama8b
 from dynamo_pd.engines.native.driver import CoreDriver, LoadOrder
 from dynamo_pd.protocol import EngineRequest
-from dynamo_pd.runtime import RequestContext
 from dynamo_pd.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -117,28 +115,9 @@ class MockerEngine(CoreDriver):
 
     # ---- requests: CoreDriver.generate, on this loop
 
-    async def _receive(self, inbox: asyncio.Queue, context: RequestContext, aborted: bool) -> Any:
-        if not inbox.empty():
-            return inbox.get_nowait()
-        loop_task = self._task
-        if loop_task is None:
-            raise RuntimeError("mocker engine is stopped")
-        get = asyncio.ensure_future(inbox.get())
-        cancelled = None if aborted else asyncio.ensure_future(context.wait_cancelled())
-        try:
-            await asyncio.wait([f for f in (get, cancelled, loop_task) if f is not None],
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for future in (get, cancelled):
-                if future is not None and not future.done():
-                    future.cancel()
-        if get.done() and not get.cancelled():
-            return get.result()
-        if not inbox.empty():  # delivered (by stop(), say) while `get` had not run yet
-            return inbox.get_nowait()
-        if loop_task.done():
+    def _check_running(self, aborted_at: float | None) -> None:
+        if self._task is None or self._task.done():
             raise RuntimeError("mocker engine loop is not running")
-        return None
 
     async def _after_load(self, request: EngineRequest, order: LoadOrder) -> None:
         # The stand-in KV has moved; the profiled model's KV takes this long on the profiled link.

@@ -6,8 +6,8 @@ are emitted to it, it ends or is aborted, a DECODE request's KV is loaded throug
 holds (request.kv_prefix) is read through `prefix_loader` before the rest is computed (recomputed when
 that read fails), and `generate` waits for each item with cancellation. Only the core's loop touches
 the core and the sinks: callers reach it through `_do`. Subclasses say how a command reaches that loop
-(`_do`), how a request waits for its next item (`_receive`), and run the loop, which calls `_step` and
-`_deliver`.
+(`_do`) and an output a request (`_sink`), how a waiting request learns that the loop stopped
+(`_check_running`), and run the loop, which calls `_step` and `_deliver`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dynamo_pd.engines.native.core import EngineCore, EngineStats
 from dynamo_pd.guided import KINDS
 from dynamo_pd.protocol import EngineOutput, EngineRequest
 from dynamo_pd.runtime import RequestContext
+from dynamo_pd.runtime.inbox import Inbox
 from router.events import KVEvent
 
 if TYPE_CHECKING:
@@ -79,13 +80,23 @@ class CoreDriver(Engine):
     def _do(self, command: Callable[[], None]) -> None:
         """Run `command` on the core's loop, before its next step."""
 
-    def _sink(self, rid: str, inbox: asyncio.Queue) -> Callable[[Any], None]:
+    def _sink(self, rid: str, inbox: Inbox) -> Callable[[Any], None]:
         """How the core's loop delivers to a request's generator (here: they share the event loop)."""
-        return inbox.put_nowait
+        return inbox.put
 
     @abc.abstractmethod
-    async def _receive(self, inbox: asyncio.Queue, context: RequestContext, aborted: bool) -> Any:
-        """The request's next item; None when the context was cancelled first."""
+    def _check_running(self, aborted_at: float | None) -> None:
+        """Raise RuntimeError if the core's loop has stopped (or has not confirmed an abort sent at
+        `aborted_at` in time): a request waiting for its next item checks this every IDLE_POLL_S."""
+
+    async def _receive(self, inbox: Inbox, context: RequestContext, aborted_at: float | None) -> Any:
+        """The request's next item; None when the context was cancelled first (its cancel wakes the wait)."""
+        while not inbox.items:
+            if context.cancelled and aborted_at is None:
+                return None
+            self._check_running(aborted_at)
+            await inbox.wait(IDLE_POLL_S)
+        return inbox.items.pop(0)
 
     async def _after_load(self, request: EngineRequest, order: LoadOrder) -> None:
         """Called once kv_loader has filled the blocks, before the core learns of it."""
@@ -132,23 +143,24 @@ class CoreDriver(Engine):
         if guided is not None:  # compiled here, off the core's loop: a new schema takes ~0.2 s
             grammar = await asyncio.to_thread(core.grammars.compile, guided)
         rid = request.request_id
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox = Inbox()
         deliver = self._sink(rid, inbox)
         self._do(lambda: self._add(request, deliver, grammar))
-        done = aborted = False
+        done, aborted_at = False, None
+        forget_cancel = context.on_cancel(inbox.wake)
         try:
             while True:
-                if context.cancelled and not aborted:
-                    aborted = True
+                if context.cancelled and aborted_at is None:
+                    aborted_at = time.monotonic()
                     self._do(lambda: self._end_request(rid, "abort"))
-                item = await self._receive(inbox, context, aborted)
+                item = await self._receive(inbox, context, aborted_at)
                 if item is None:
                     continue  # cancelled while waiting: abort at the top of the loop
                 if isinstance(item, BaseException):
                     done = True  # rejected before it started (e.g. a duplicate id): nothing to abort
                     raise item
                 if isinstance(item, LoadOrder):
-                    if not aborted:
+                    if aborted_at is None:
                         await (self._load_prefix if item.prefix else self._load)(request, item)
                     continue
                 done = item.ends
@@ -156,6 +168,7 @@ class CoreDriver(Engine):
                 if done:
                     return
         finally:
+            forget_cancel()
             if not done:  # the consumer closed the stream or was cancelled before the final output
                 self._do(lambda: self._abandon(rid))
 

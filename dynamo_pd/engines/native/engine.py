@@ -19,8 +19,8 @@ from typing import Any
 
 from dynamo_pd.engines.base import EngineConfig, KVLoader
 from dynamo_pd.engines.native.core import EngineCore
-from dynamo_pd.engines.native.driver import IDLE_POLL_S, CoreDriver
-from dynamo_pd.runtime import RequestContext
+from dynamo_pd.engines.native.driver import CoreDriver
+from dynamo_pd.runtime.inbox import Inbox
 
 log = logging.getLogger(__name__)
 
@@ -78,38 +78,22 @@ class NativeEngine(CoreDriver):
     def _do(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
 
-    def _sink(self, rid: str, inbox: asyncio.Queue) -> Callable[[Any], None]:
+    def _sink(self, rid: str, inbox: Inbox) -> Callable[[Any], None]:
         loop = asyncio.get_running_loop()
 
         def deliver(item: Any) -> None:
             try:
-                loop.call_soon_threadsafe(inbox.put_nowait, item)
+                loop.call_soon_threadsafe(inbox.put, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 self._do(lambda: self._abandon(rid))
 
         return deliver
 
-    async def _receive(self, inbox: asyncio.Queue, context: RequestContext, aborted: bool) -> Any:
-        if not inbox.empty():
-            return inbox.get_nowait()
-        if aborted:
-            try:
-                return await asyncio.wait_for(inbox.get(), _REPLY_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise RuntimeError("native engine did not confirm an abort in time") from None
-        get = asyncio.ensure_future(inbox.get())
-        cancelled = asyncio.ensure_future(context.wait_cancelled())
-        try:
-            while not get.done() and not cancelled.done():
-                await asyncio.wait({get, cancelled}, timeout=IDLE_POLL_S * 4,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if self._thread is None or not self._thread.is_alive():
-                    raise RuntimeError("native engine step thread is not running")
-        finally:
-            cancelled.cancel()
-            if not get.done():
-                get.cancel()
-        return get.result() if get.done() and not get.cancelled() else None
+    def _check_running(self, aborted_at: float | None) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("native engine step thread is not running")
+        if aborted_at is not None and time.monotonic() - aborted_at > _REPLY_TIMEOUT_S:
+            raise RuntimeError("native engine did not confirm an abort in time")
 
     async def _call(self, fn: Callable, *args: Any) -> Any:
         """Run `fn(*args)` on the step thread and return its result."""
