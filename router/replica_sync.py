@@ -6,12 +6,12 @@ LoadMetrics still correct everything (router.load), so a replica that dies leave
 a remote placement whose finish never arrives (lost on the way, or its replica died) expires after
 `placement_ttl_s`, so they do not pile up.
 
-The transport is the caller's: `send` takes each encoded update (it must not block the router), and
-whatever receives the other replicas' updates hands them to `apply` (dynamo_pd.frontend.replicas
-does both on the event plane).
+The transport is the caller's: `send` takes each update (it must not block the router) and sends
+`encode(updates)`, a list of them (dynamo_pd.frontend.replicas sends what a turn of its loop made as one
+message on the event plane), and whatever receives the other replicas' messages hands them to `apply`.
 
-    sync = ReplicaSync(router.load, "r1", send=lambda data: ...); router.attach_replica_sync(sync)
-    sync.apply(data)   # for each update received
+    sync = ReplicaSync(router.load, "r1", send=lambda update: ...); router.attach_replica_sync(sync)
+    sync.apply(data)   # for each message received
 """
 
 from __future__ import annotations
@@ -45,11 +45,20 @@ class LoadUpdate(msgspec.Struct, array_like=True, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(LoadUpdate)
+_decoder = msgspec.msgpack.Decoder(list[LoadUpdate])
+
+
+def encode(updates: list[LoadUpdate]) -> bytes:
+    return _encoder.encode(updates)
+
+
+def decode(data: bytes) -> list[LoadUpdate]:
+    """Raises msgspec.DecodeError on anything but a list of updates."""
+    return _decoder.decode(data)
 
 
 class ReplicaSync:
-    def __init__(self, tracker: LoadTracker, router_id: str, send: Callable[[bytes], None],
+    def __init__(self, tracker: LoadTracker, router_id: str, send: Callable[[LoadUpdate], None],
                  placement_ttl_s: float = 600.0) -> None:
         self.tracker = tracker
         self.router_id = router_id
@@ -65,20 +74,27 @@ class ReplicaSync:
     ) -> None:
         self.expire()
         wire_key = f"{key.role.value}:{key.request_id}"
-        self._send(_encoder.encode(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks,
-                                              ttft_s, itl_s)))
+        self._send(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks, ttft_s, itl_s))
 
     def apply(self, data: bytes) -> None:
         try:
-            update = _decoder.decode(data)
-            role, _, request_id = update.key.partition(":")
-            key = LoadKey(request_id, Role(role), update.router_id)
-        except (msgspec.MsgspecError, ValueError) as exc:
+            updates = decode(data)
+        except msgspec.MsgspecError as exc:
             log.warning("ignored a malformed load update (%d bytes): %s", len(data), exc)
             return
-        if update.router_id == self.router_id:
-            return
+        if updates and updates[0].router_id == self.router_id:
+            return  # our own: a message holds one router's updates
         self.expire()
+        for update in updates:
+            self._apply(update)
+
+    def _apply(self, update: LoadUpdate) -> None:
+        role, _, request_id = update.key.partition(":")
+        try:
+            key = LoadKey(request_id, Role(role), update.router_id)
+        except ValueError as exc:
+            log.warning("ignored a malformed load update: %s", exc)
+            return
         if update.kind == "place":
             try:
                 self.tracker.place(key, update.worker_id, update.prefill_tokens, update.blocks)

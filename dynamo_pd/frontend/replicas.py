@@ -2,7 +2,8 @@
 
 Behind a load balancer, two frontends would each see only their own requests until the workers'
 next load report, and could both pick the same idle worker. Each frontend's router publishes every
-placement, prefill-done and finish (router.replica_sync.LoadUpdate) on `<namespace>.router.load`;
+placement, prefill-done and finish (router.replica_sync.LoadUpdate) on `<namespace>.router.load`, those
+of one turn of its loop as one message;
 the others add it to their load under the sender's id. The workers' load reports still correct
 every prediction, so an update lost on the way or a frontend that dies leaves no lasting error.
 A subscription lost with the event plane is made again (frontend.resubscribe).
@@ -18,7 +19,7 @@ from dynamo_pd.frontend.resubscribe import follow_subject
 from dynamo_pd.runtime import EventPlane
 from dynamo_pd.runtime.tasks import cancel_and_wait
 from router.load import LoadTracker
-from router.replica_sync import ReplicaSync
+from router.replica_sync import LoadUpdate, ReplicaSync, encode
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class EventPlaneReplicaSync(ReplicaSync):
         self._events = events
         self.subject = f"{namespace}.router.load"
         self._tasks: set[asyncio.Task] = set()  # the follower and sends in flight, referenced until done
-        self._outbox: list[bytes] = []
+        self._outbox: list[LoadUpdate] = []
         self._sending = False
 
     async def start(self) -> None:
@@ -42,10 +43,11 @@ class EventPlaneReplicaSync(ReplicaSync):
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
 
-    def _send_soon(self, data: bytes) -> None:
-        """Publish without making the router wait: one task sends what a turn of the loop published (a
-        task per update cost more than its send); a failure is logged (workers' load reports correct it)."""
-        self._outbox.append(data)
+    def _send_soon(self, update: LoadUpdate) -> None:
+        """Publish without making the router wait: one task sends what a turn of the loop published as one
+        message (a message per update cost more than the rest of the update); a failure is logged (workers'
+        load reports correct it)."""
+        self._outbox.append(update)
         if len(self._outbox) == 1 and not self._sending:
             task = asyncio.get_running_loop().create_task(self._send_all())
             self._tasks.add(task)
@@ -56,8 +58,7 @@ class EventPlaneReplicaSync(ReplicaSync):
         try:
             while self._outbox:
                 batch, self._outbox = self._outbox, []
-                for data in batch:
-                    await self._events.publish(self.subject, data)
+                await self._events.publish(self.subject, encode(batch))
         finally:
             self._sending = False
             self._outbox.clear()  # what a failed send left behind: the next update starts a new task

@@ -32,12 +32,11 @@ from dynamo_pd.planner.predict import Arrival
 from dynamo_pd.protocol import LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import Discovery, EventPlane
 from dynamo_pd.runtime.tasks import cancel_and_wait
-from router.replica_sync import LoadUpdate
+from router import replica_sync
 
 log = logging.getLogger("dynamo_pd.planner")
 
 _load_decoder = msgspec.msgpack.Decoder(LoadMetrics)
-_update_decoder = msgspec.msgpack.Decoder(LoadUpdate)
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,11 @@ class Observer:
                 self._reports[report.worker_id] = report
 
     def _on_update(self, _subject: str, payload: bytes) -> None:
-        with contextlib.suppress(msgspec.DecodeError):
-            update = _update_decoder.decode(payload)
+        try:
+            updates = replica_sync.decode(payload)
+        except msgspec.DecodeError:
+            return
+        for update in updates:
             pool, _, _ = update.key.partition(":")
             if update.kind == "place":
                 self._arrivals.setdefault(pool, []).append(Arrival(update.prefill_tokens, update.blocks))

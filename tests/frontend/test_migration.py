@@ -18,7 +18,7 @@ from dynamo_pd.protocol import (EngineOutput, EngineRequest, InvalidRequestError
                                WorkerInfo)
 from dynamo_pd.runtime import RequestContext, RpcServer
 from dynamo_pd.runtime.errors import StreamStalledError, WorkerGoneError
-from router.replica_sync import LoadUpdate, ReplicaSync
+from router.replica_sync import ReplicaSync
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
 
@@ -197,8 +197,7 @@ async def test_a_request_that_streamed_to_its_end_reports_what_its_client_saw(de
     for workers, fails in (((FakeWorker("a"),), False), ((FakeWorker("b", fault=("die", 3)), FakeWorker("c")), False),
                            ((FakeWorker("d", fault=("die", 2)),), True)):
         backend = await deployment(*workers, migration_limit=1)
-        sync = ReplicaSync(backend.router.load, "frontend", send=lambda data: updates.append(
-            msgspec.msgpack.decode(data, type=LoadUpdate)))
+        sync = ReplicaSync(backend.router.load, "frontend", send=updates.append)
         backend.router.attach_replica_sync(sync)
         updates.clear()
         if fails:

@@ -1,7 +1,10 @@
 """Two frontends' routers share their placements on the deployment's event plane (ZMQ and NATS)."""
 
 from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
-from tests.router.test_replica_sync import check_shared_load, linked, replica
+from router.load import LoadKey
+from router.replica_sync import decode
+from router.worker import Role
+from tests.router.test_replica_sync import check_shared_load, eventually, linked, replica
 
 
 async def test_frontends_on_one_namespace_share_their_routers_load(new_plane):
@@ -21,4 +24,23 @@ async def test_frontends_on_one_namespace_share_their_routers_load(new_plane):
         assert elsewhere.applied == 0  # another namespace's frontends are not this deployment's
     finally:
         for sync in (sync_a, sync_b, elsewhere):
+            await sync.stop()
+
+
+async def test_the_updates_of_one_turn_of_the_loop_are_one_message(new_plane):
+    """A message per update cost a frontend more than the rest of the update (issue 34's profile)."""
+    sync_a = EventPlaneReplicaSync(replica().load, await new_plane(), "ns")
+    sync_b = EventPlaneReplicaSync(replica().load, await new_plane(), "ns")
+    for sync in (sync_a, sync_b):
+        await sync.start()
+    try:
+        await linked(sync_a, sync_b)
+        messages, apply = [], sync_b.apply
+        sync_b.apply = lambda data: (messages.append([u.key for u in decode(data)]), apply(data))
+        for i in range(5):
+            sync_a.publish("finish", LoadKey(f"turn{i}", Role.PREFILL))
+        await eventually(lambda: any("prefill:turn0" in keys for keys in messages))
+        assert [keys for keys in messages if "prefill:turn0" in keys] == [[f"prefill:turn{i}" for i in range(5)]]
+    finally:
+        for sync in (sync_a, sync_b):
             await sync.stop()

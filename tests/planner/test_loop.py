@@ -19,7 +19,7 @@ from dynamo_pd.planner.observe import Observer
 from dynamo_pd.protocol import LoadMetrics, WorkerInfo
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
 from router.load import LoadKey, LoadTracker
-from router.replica_sync import ReplicaSync
+from router.replica_sync import LoadUpdate, ReplicaSync, encode
 from router.worker import Role
 from tests.planner.k8s_api import FakeApiServer
 
@@ -79,8 +79,8 @@ class Deployment:
         self.sync = ReplicaSync(LoadTracker(), "frontend-test", send=self._send)
         self.sent: list[asyncio.Task] = []
 
-    def _send(self, data: bytes) -> None:
-        self.sent.append(asyncio.create_task(self.events.publish(f"{NS}.router.load", data)))
+    def _send(self, update: LoadUpdate) -> None:
+        self.sent.append(asyncio.create_task(self.events.publish(f"{NS}.router.load", encode([update]))))
 
     async def register(self, worker_id: str, role: Role) -> None:
         await self.discovery.register(WorkerInfo(worker_id=worker_id, role=role, engine="mocker", model="m",

@@ -5,7 +5,7 @@ import asyncio
 
 from msgspec import msgpack
 
-from router.replica_sync import LoadUpdate, ReplicaSync
+from router.replica_sync import LoadUpdate, ReplicaSync, encode
 from router.load import LoadKey
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
@@ -54,8 +54,8 @@ async def check_shared_load(a: KvRouter, b: KvRouter):
 
 async def test_replicas_share_their_placements_through_the_transport_they_are_given(caplog):
     a, b = replica(), replica()
-    sync_a = ReplicaSync(a.load, "a", send=lambda data: sync_b.apply(data))
-    sync_b = ReplicaSync(b.load, "b", send=lambda data: sync_a.apply(data))
+    sync_a = ReplicaSync(a.load, "a", send=lambda update: sync_b.apply(encode([update])))
+    sync_b = ReplicaSync(b.load, "b", send=lambda update: sync_a.apply(encode([update])))
     a.attach_replica_sync(sync_a)
     b.attach_replica_sync(sync_b)
     await check_shared_load(a, b)
@@ -74,16 +74,16 @@ async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr("router.replica_sync.time.monotonic", lambda: now[0])
     a = replica()
-    sent: list[bytes] = []
+    sent: list[LoadUpdate] = []
     sync = ReplicaSync(a.load, "a", send=sent.append, placement_ttl_s=60)
     for key in ("r1", "r2"):
-        sync.apply(msgpack.encode(LoadUpdate("b", "place", f"prefill:{key}", "w0", 64, 4)))
-    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "prefill:r2")))
+        sync.apply(encode([LoadUpdate("b", "place", f"prefill:{key}", "w0", 64, 4)]))
+    sync.apply(encode([LoadUpdate("b", "finish", "prefill:r2")]))
     assert a.load.load("w0").requests == 1
     now[0] += 59
-    sync.apply(msgpack.encode(LoadUpdate("b", "finish", "prefill:unknown")))
+    sync.apply(encode([LoadUpdate("b", "finish", "prefill:unknown")]))
     assert a.load.load("w0").requests == 1 and sync.expired == 0
     now[0] += 2
     sync.publish("finish", LoadKey("local", Role.PREFILL))
     assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
-    assert msgpack.decode(sent[0]) == ["a", "finish", "prefill:local", "", 0, 0, 0.0, 0.0]  # no latencies given
+    assert msgpack.decode(encode(sent)) == [["a", "finish", "prefill:local", "", 0, 0, 0.0, 0.0]]  # no latencies
