@@ -8,7 +8,8 @@ Overhead workload: --workers mocker workers whose engines cost almost nothing (e
 sped up --mocker-speedup times), streaming chat of --isl-token prompts and --osl output tokens, --concurrency
 requests in flight, --requests requests a run. What differs is the frontend and the router: requests/s, TTFT
 percentiles, and the frontend's CPU seconds per 1,000 requests (user + system time of the frontend's
-processes, read from /proc before and after the run). Each system with its KV-aware default (ours: `time`,
+processes, read from /proc before and after the run), and beside it the mocker's (the frontend's neighbour on
+the host: a mocker that costs more leaves the frontend less CPU). Each system with its KV-aware default (ours: `time`,
 Dynamo: `--router-mode kv`), rounds in alternating order (run-to-run noise on a shared host is ~10%).
 
 Routing workloads, on one engine timing: --workers mockers per system that time every step from the same
@@ -118,15 +119,20 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / _TICKS
 
 
-def our_frontends(port: int) -> list[int]:
-    """Our frontend processes serving `port` (several with --frontend-processes)."""
+def processes(module: str, port: int | None = None) -> list[int]:
+    """The processes running `python -m <module>` (with `port` among their arguments, when given)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
             argv = cmdline.read_bytes().split(b"\0")
-            if b"dynamo_pd.frontend" in argv and str(port).encode() in argv:
+            if module.encode() in argv and (port is None or str(port).encode() in argv):
                 found.append(int(cmdline.parent.name))
     return found
+
+
+def our_frontends(port: int) -> list[int]:
+    """Our frontend processes serving `port` (several with --frontend-processes)."""
+    return processes("dynamo_pd.frontend", port)
 
 
 def dynamo_model_dir(folder: Path) -> Path:
@@ -276,6 +282,7 @@ def overhead(args: argparse.Namespace, session: Session, systems: list[str]) -> 
                                      "0", "--output-tokens-mean", str(args.osl), "--output-tokens-stddev", "0"],
                         requests=args.requests, concurrency=args.concurrency)
     cpu: dict[str, list[float]] = {s: [] for s in systems}
+    engine_cpu: dict[str, list[float]] = {s: [] for s in systems}  # the mockers': the frontend's neighbours
     by_system: dict[str, list[report.Summary]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems if r % 2 == 0 else systems[::-1]:
@@ -286,18 +293,21 @@ def overhead(args: argparse.Namespace, session: Session, systems: list[str]) -> 
                 running = ours_running(args.workers, log_dir, "time", ("--speedup", f"{args.mocker_speedup:g}"))
             with running as (url, key):
                 pids = [p for pid in ([key] if system == "Dynamo" else our_frontends(key)) for p in tree(pid)]
-                before = cpu_seconds(pids)
+                engines = [p for pid in processes("dynamo.mocker" if system == "Dynamo" else "dynamo_pd.mocker")
+                           for p in tree(pid)]
+                before, engine_before = cpu_seconds(pids), cpu_seconds(engines)
                 summary = session.measure(url, f"{system} #{r + 1}", workload.name, None, workload, args.seed)
                 cpu[system].append((cpu_seconds(pids) - before) / max(1, summary.ok) * 1000)
+                engine_cpu[system].append((cpu_seconds(engines) - engine_before) / max(1, summary.ok) * 1000)
                 by_system[system].append(summary)
-    rows = ["| system | round | requests/s | TTFT p50 / p90 / p99 ms | frontend CPU s per 1,000 requests | failed |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| system | round | requests/s | TTFT p50 / p90 / p99 ms | frontend CPU s per 1,000 requests | "
+            "mocker CPU s per 1,000 requests | failed |", "|---|---|---|---|---|---|---|"]
     for system in systems:
-        for i, (s, c) in enumerate(zip(by_system[system], cpu[system])):
+        for i, (s, c, e) in enumerate(zip(by_system[system], cpu[system], engine_cpu[system])):
             t = s.ttft_ms
             rows.append(f"| {system} | {i + 1} | {s.request_s:.0f} | {t[50]:.0f} / {t[90]:.0f} / {t[99]:.0f} | "
-                        f"{c:.2f} | {s.failed} |")
-    return {"cpu_s_per_1000_requests": cpu,
+                        f"{c:.2f} | {e:.2f} | {s.failed} |")
+    return {"cpu_s_per_1000_requests": cpu, "mocker_cpu_s_per_1000_requests": engine_cpu,
             "overhead_md": "## Frontend cost\n\n" + "\n".join(rows) + "\n" + _ratios(by_system, cpu)}
 
 
