@@ -187,9 +187,9 @@ async def test_a_stream_that_fails_after_its_first_token_reports_the_kind_in_ban
 
 
 async def test_tokenization_and_the_chat_template_run_off_the_event_loop(tokenizer):
-    """Off the loop for a body over 8 KiB; a smaller one is templated and tokenized on the loop, where it
-    costs less than a thread's hand-off."""
-    text = "lorem ipsum " * 800  # 9.6 KB
+    """Off the loop for a body over 64 KiB; a smaller one is templated and tokenized on the loop, where it
+    costs less than a thread's hand-offs."""
+    text = "=" * (66 << 10)  # 66 KiB, ~1,100 tokens (a run of one symbol tokenizes in 64-character pieces)
     for bodies, off_the_loop in (((CHAT, COMPLETION), False),
                                  (({**CHAT, "messages": [{"role": "user", "content": text}]},
                                    {**COMPLETION, "prompt": text}), True)):
