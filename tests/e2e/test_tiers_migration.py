@@ -1,5 +1,6 @@
 """Drain migration with the KV moved (issue 35): two aggregated native workers, a stream with a 4,000-token
-context on one of them, which is then stopped with SIGTERM. The frontend moves the request and offers the new
+context on one of them (the other joins after that context was computed: nothing else holds it), which is
+then stopped with SIGTERM. The frontend moves the request and offers the new
 worker the drained worker's KV; the drained worker lends it before it exits. The resumed request's next token
 comes in at most a quarter of the time prefilling that context took, and the text is the unfailed one."""
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import MODEL, start_deployment
+from tests.e2e.conftest import MODEL, start_deployment, workers_registered
 
 
 @pytest.mark.slow
@@ -25,7 +26,7 @@ def test_a_drained_request_moves_its_kv_and_resumes_in_a_quarter_of_a_re_prefill
     sentence = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
     ids = tokenizer.encode(sentence * (4000 // len(tokenizer.encode(sentence)) + 1))[:4000]
     # no canaries, and a first output may take minutes: a long prefill on a loaded host is not a failure here
-    deployment = start_deployment(tmp_path, "--aggregated", "2", "--drain-timeout-s", "0",
+    deployment = start_deployment(tmp_path, "--aggregated", "1", "--drain-timeout-s", "0",
                                   "--max-num-batched-tokens", "1024", "--health-check-interval-s", "0",
                                   "--inter-token-timeout-s", "1200", timeout_s=300)
     try:
@@ -38,10 +39,16 @@ def test_a_drained_request_moves_its_kv_and_resumes_in_a_quarter_of_a_re_prefill
                                                                "temperature": 0})
             assert status == 200, body
             prefill_s += time.monotonic() - started
+        # The second worker joins now: had it served a part of that context (the router may place a part there,
+        # reading the rest from the first), the moved request would find its KV at home, not move it.
+        first = deployment.procs["aggregated-0"].args
+        deployment.spawn("aggregated-1", [arg.replace("aggregated-0", "aggregated-1") for arg in first])
+        deployment.wait_for(lambda: workers_registered(deployment) == 2, 300, "the second worker registered")
         client = openai.OpenAI(base_url=deployment.url + "/v1", api_key="none", max_retries=0, timeout=1200)
         raw = client.completions.with_raw_response.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
                                                           stream=True, stream_options={"include_usage": True})
         victim = raw.headers["x-dynamo-pd-worker"]
+        assert victim == "aggregated-0"  # where the context is cached
         stream = iter(raw.parse())
         chunks = [next(stream)]
         chunks += [next(stream) for _ in range(3)]
