@@ -82,6 +82,8 @@ class _Connection:
         self.released = False  # the worker left discovery: close once the last stream ends
         self._streams: dict[int, Inbox] = {}
         self._ids = itertools.count(1)
+        self._outbox: tuple[list[wire.ToServer], list[bytes]] = ([], [])  # sent together at the turn's end
+        self._flush_handle: asyncio.Handle | None = None
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -100,13 +102,12 @@ class _Connection:
         stream = next(self._ids)
         inbox = Inbox()
         self._streams[stream] = inbox
-        self._send([wire.encoder.encode(wire.Open(stream, context.request_id, context.metadata)), payload])
+        self._send(wire.Open(stream, context.request_id, context.metadata), payload)
         return stream, inbox
 
     def close_stream(self, stream: int, cancel: bool) -> None:
         if self._streams.pop(stream, None) is not None and cancel and self.gone is None:
-            with contextlib.suppress(WorkerGoneError):
-                self._send([wire.encoder.encode(wire.Cancel(stream))])
+            self._send(wire.Cancel(stream))
         if self.released and not self._streams:
             self.fail(WorkerGoneError(f"connection to worker {self.endpoint} closed: it left discovery"))
 
@@ -115,12 +116,24 @@ class _Connection:
         if not self._streams:
             self.fail(WorkerGoneError(f"connection to worker {self.endpoint} closed: it left discovery"))
 
-    def _send(self, frames: list[bytes]) -> None:
+    def _send(self, header: wire.ToServer, *payload: bytes) -> None:
+        """Queue `header` (and an Open's payload), sent with the rest of this turn's messages to the worker;
+        a send that fails fails the connection (every stream on it hears WorkerGoneError)."""
+        headers, payloads = self._outbox
+        headers.append(header)
+        payloads += payload
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        (headers, payloads), self._outbox = self._outbox, ([], [])
+        if self.gone is not None or not headers:
+            return
         try:
-            send_now(self._sock, frames)  # never waits: DEALER queues up to the HWM
+            send_now(self._sock, [wire.encoder.encode(headers), *payloads])  # never waits: DEALER queues to the HWM
         except zmq.ZMQError as exc:  # EAGAIN: 100k messages queued, the worker is not reading
             self.fail(WorkerGoneError(f"worker {self.endpoint} is not accepting messages: {exc}"))
-            raise self.gone from exc
 
     async def _read(self) -> None:
         sync = self._sync
@@ -178,13 +191,17 @@ class _Connection:
         while True:
             await asyncio.sleep(self._ping_s)
             if self._streams and self.gone is None:
-                with contextlib.suppress(WorkerGoneError):
-                    self._send([wire.encoder.encode(wire.Ping())])
+                self._send(wire.Ping())
 
     def fail(self, error: WorkerGoneError) -> None:
         """Mark the connection dead: every open stream gets `error`, and the sockets close."""
         if self.gone is not None:
             return
+        if self._flush_handle is not None:  # what this turn queued goes first (a Cancel, then the orderly close)
+            self._flush_handle.cancel()
+            self._flush()
+            if self.gone is not None:  # that send failed, and failed the connection
+                return
         self.gone = error
         self.settled.set()
         for inbox in self._streams.values():

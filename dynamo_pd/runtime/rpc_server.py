@@ -133,21 +133,26 @@ class RpcServer:
             self._last_seen[peer] = time.monotonic()
             self._unreachable.discard(peer)
             try:
-                msg = wire.server_decoder.decode(frames[1])
+                headers = wire.server_decoder.decode(frames[1])
             except (msgspec.DecodeError, IndexError) as exc:
                 log.warning("rpc server: dropping malformed message from %r: %s", peer, exc)
                 continue
-            if isinstance(msg, wire.Open) and self._draining:
-                self._send(peer, RequestContext(msg.request_id), wire.Fail(
-                    msg.stream, WorkerDrainingError.__name__, "the worker is shutting down and takes no new requests"))
-            elif isinstance(msg, wire.Open):
-                key = (peer, msg.stream)
-                payload = frames[2] if len(frames) > 2 else b""
-                context = RequestContext(msg.request_id, msg.metadata)
-                task = asyncio.create_task(self._run(key, payload, context), name=f"rpc-{msg.request_id}")
-                self._streams[key] = (task, context)
-            elif isinstance(msg, wire.Cancel):
-                self._cancel((peer, msg.stream))
+            payloads = iter(frames[2:])
+            for msg in headers:
+                if isinstance(msg, wire.Open):
+                    self._open(peer, msg, next(payloads, b""))
+                elif isinstance(msg, wire.Cancel):
+                    self._cancel((peer, msg.stream))
+
+    def _open(self, peer: bytes, msg: wire.Open, payload: bytes) -> None:
+        if self._draining:
+            self._send(peer, RequestContext(msg.request_id), wire.Fail(
+                msg.stream, WorkerDrainingError.__name__, "the worker is shutting down and takes no new requests"))
+            return
+        key = (peer, msg.stream)
+        context = RequestContext(msg.request_id, msg.metadata)
+        task = asyncio.create_task(self._run(key, payload, context), name=f"rpc-{msg.request_id}")
+        self._streams[key] = (task, context)
 
     def _cancel(self, key: tuple[bytes, int]) -> None:
         entry = self._streams.pop(key, None)

@@ -1,10 +1,10 @@
 """Request-plane wire: a msgpack header frame, then the payload frame where there is one.
 
-client DEALER -> server ROUTER:  [Open, payload] | [Cancel] | [Ping]
+client DEALER -> server ROUTER:  [[Open | Cancel | Ping, ...], payload of each Open in order, ...]
 server ROUTER -> client DEALER:  [[Data | End | Fail, ...], payload of each Data in order, ...]
-`stream` numbers a client's streams; many share one connection. The server sends what a turn of its loop
-produced for one client as one message (a step's tokens for every stream of that client): a ZMQ send
-costs far more than its bytes.
+`stream` numbers a client's streams; many share one connection. Each side sends what a turn of its loop
+produced for one peer as one message (the server: a step's tokens for every stream of that client; the
+client: the requests it opened on that worker): a ZMQ send costs far more than its bytes.
 """
 
 from __future__ import annotations
@@ -46,5 +46,5 @@ ToServer = Open | Cancel | Ping
 ToClient = Data | End | Fail
 
 encoder = msgspec.msgpack.Encoder()
-server_decoder = msgspec.msgpack.Decoder(ToServer)
+server_decoder = msgspec.msgpack.Decoder(list[ToServer])
 client_decoder = msgspec.msgpack.Decoder(list[ToClient])

@@ -80,7 +80,7 @@ async def test_what_one_turn_of_the_worker_produced_for_a_client_is_one_message(
         sock.connect(server.endpoint)
         try:
             for stream in range(1, 9):
-                await sock.send_multipart([wire.encoder.encode(wire.Open(stream, f"r{stream}")), b"%d" % stream])
+                await sock.send_multipart([wire.encoder.encode([wire.Open(stream, f"r{stream}")]), b"%d" % stream])
             while server.num_streams < 8:
                 await asyncio.sleep(0.01)
             step.set()
@@ -91,3 +91,35 @@ async def test_what_one_turn_of_the_worker_produced_for_a_client_is_one_message(
             assert frames[1:] == [b"%d" % s for s in range(1, 9)]
         finally:
             sock.close()
+
+
+async def test_the_requests_a_client_opened_on_a_worker_in_one_turn_are_one_message():
+    """The other way: streams opened on one worker in one turn of the client's loop (a burst of requests the
+    frontend places there) go as one ZMQ message, each Open's payload a frame after the header. A raw ROUTER
+    counts the messages."""
+    import zmq
+    import zmq.asyncio
+
+    from dynamo_pd.runtime import rpc_wire as wire
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    client = RpcClient()
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        await client._connection(endpoint)  # connected, so the opens below are one turn's
+        streams = [client.stream_batches(endpoint, b"p%d" % i, RequestContext(f"r{i}")) for i in range(5)]
+        pending = [asyncio.ensure_future(anext(s)) for s in streams]
+        frames = await asyncio.wait_for(sock.recv_multipart(), TIMEOUT_S)
+        headers = wire.server_decoder.decode(frames[1])
+        assert [(type(h), h.request_id) for h in headers] == [(wire.Open, f"r{i}") for i in range(5)]
+        assert frames[2:] == [b"p%d" % i for i in range(5)]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+    finally:
+        await client.close()
+        sock.close()
