@@ -127,13 +127,15 @@ class _Connection:
 
     def _flush(self) -> None:
         self._flush_handle = None
-        (headers, payloads), self._outbox = self._outbox, ([], [])
-        if self.gone is not None or not headers:
-            return
         try:
-            send_now(self._sock, [wire.encoder.encode(headers), *payloads])  # never waits: DEALER queues to the HWM
+            self._write()
         except zmq.ZMQError as exc:  # EAGAIN: 100k messages queued, the worker is not reading
             self.fail(WorkerGoneError(f"worker {self.endpoint} is not accepting messages: {exc}"))
+
+    def _write(self) -> None:
+        (headers, payloads), self._outbox = self._outbox, ([], [])
+        if headers and self.gone is None:
+            send_now(self._sock, [wire.encoder.encode(headers), *payloads])  # never waits: DEALER queues to the HWM
 
     async def _read(self) -> None:
         sync = self._sync
@@ -197,11 +199,11 @@ class _Connection:
         """Mark the connection dead: every open stream gets `error`, and the sockets close."""
         if self.gone is not None:
             return
-        if self._flush_handle is not None:  # what this turn queued goes first (a Cancel, then the orderly close)
+        if self._flush_handle is not None:  # what this turn queued goes first where it can (a Cancel before a close)
             self._flush_handle.cancel()
-            self._flush()
-            if self.gone is not None:  # that send failed, and failed the connection
-                return
+            self._flush_handle = None
+            with contextlib.suppress(zmq.ZMQError):
+                self._write()
         self.gone = error
         self.settled.set()
         for inbox in self._streams.values():

@@ -1,8 +1,8 @@
 """Drain migration with the KV moved (issue 35): two aggregated native workers, a stream with a 4,000-token
-context on one of them (the other joins after that context was computed: nothing else holds it), which is
-then stopped with SIGTERM. The frontend moves the request and offers the new
-worker the drained worker's KV; the drained worker lends it before it exits. The resumed request's next token
-comes in at most a quarter of the time prefilling that context took, and the text is the unfailed one."""
+context on one of them (the other joins after that context was computed: nothing else holds it), which is then
+stopped with SIGTERM. The frontend moves the request and offers the new worker the drained worker's KV; the
+drained worker lends it before it exits. The resumed request's next token comes in at most a quarter of the time
+prefilling that context took, and the text is the unfailed one."""
 
 from __future__ import annotations
 
