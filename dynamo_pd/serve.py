@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -287,19 +288,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _watch(children: list[subprocess.Popen], log_dir: Path) -> None:
-    """Serve until the frontend exits; a worker that dies is reported and the rest keep serving
-    (discovery drops it within its lease TTL, and the router stops sending it work)."""
+def _watch(children: list[subprocess.Popen], log_dir: Path, stop: threading.Event) -> None:
+    """Serve until the frontend exits or `stop` is set (KeyboardInterrupt); a worker that dies is reported and
+    the rest keep serving (discovery drops it within its lease TTL, and the router stops sending it work)."""
     frontend, workers = children[0], children[1:]
     reported: set[int] = set()
     while frontend.poll() is None:
+        if stop.is_set():  # the signal handler's KeyboardInterrupt was swallowed (raised in a weakref callback)
+            raise KeyboardInterrupt
         for worker in workers:
             if worker.poll() is not None and worker.pid not in reported:
                 reported.add(worker.pid)
                 name = child_name(worker.args)
                 print(f"dynamo-pd: worker {name} exited with code {worker.returncode} (log: {log_dir / name}.log); "
                       f"the others keep serving", flush=True)
-        time.sleep(0.5)
+        stop.wait(0.5)
     raise SystemExit(f"error: the frontend exited with code {frontend.returncode} (log: {log_dir}/frontend.log); "
                      f"stopping")
 
@@ -325,10 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.pin_cores and engine_entry(args.engine).pinned and not args.planner:
         pins[1:] = core_sets(len(commands) - 1, sorted(os.sched_getaffinity(0)))
     children: list[subprocess.Popen] = []
+    stop = threading.Event()
 
     def on_signal(_signum, _frame) -> None:
         # The first Ctrl-C / SIGTERM stops everything; a second one (a terminal signals the whole
-        # process group, so it often comes at once) must not cut that shutdown short.
+        # process group, so it often comes at once) must not cut that shutdown short. The exception can
+        # land where Python ignores it (a weakref callback of an import): `stop` is seen by _watch then.
+        stop.set()
         _ignore_signals()
         raise KeyboardInterrupt
 
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
         _report_metrics(args, infos)
-        _watch(children, log_dir)
+        _watch(children, log_dir, stop)
     except KeyboardInterrupt:
         print("dynamo-pd: stopping", flush=True)
     finally:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import failure_line, parse_args, plan, stop_children
+from dynamo_pd.serve import _watch, failure_line, parse_args, plan, stop_children
 from dynamo_pd.worker import parse_args as worker_args
 from tests.e2e.conftest import MODEL, Deployment
 
@@ -220,3 +221,20 @@ def test_a_worker_killed_after_its_grace_takes_the_processes_it_started_with_it(
     while not gone(engine) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(engine), "the worker's own process outlived it"
+
+
+def test_a_stop_whose_keyboard_interrupt_python_swallowed_still_ends_the_watch(tmp_path):
+    """serve's signal handler raises KeyboardInterrupt, which Python ignores when it lands in a weakref callback
+    (CI saw one during an import right after "ready": the launcher then served on with its signals ignored).
+    The handler also sets `stop`; the watch over the running frontend ends on it, as the interrupt would."""
+    frontend = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop = threading.Event()
+    try:
+        threading.Timer(0.2, stop.set).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _watch([frontend], tmp_path, stop)
+        assert time.monotonic() - started < 10 and frontend.poll() is None
+    finally:
+        frontend.kill()
+        frontend.wait()
