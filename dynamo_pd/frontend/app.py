@@ -170,10 +170,11 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 _OPEN_ROUTES = {"/health", "/ready"}
-# A body up to this size is templated and tokenized on the event loop, where a 2,200-token prompt (10 KB)
-# takes ~4 ms; in a thread it took 28 ms under load (issue 34's Mooncake run), waiting for the GIL at each hand-off
-# while the loop streams. Up to 64 KiB (~15k tokens) holds the other streams ~30 ms at most; larger off the loop.
-_INLINE_BODY_BYTES = 64 << 10
+# A body up to this size (~500 tokens) is templated and tokenized on the event loop, in under a millisecond;
+# a larger one in a thread, where the tokenizer releases the GIL (tokenizer.py): a burst of long prompts
+# (Mooncake's rows arrive several at a time) tokenizes beside the loop instead of holding every stream
+# ~2 ms per 1,000 tokens.
+_INLINE_BODY_BYTES = 2 << 10
 _PROCESS = str(os.getpid())  # the frontend process that answered (one of --frontend-processes)
 
 

@@ -54,7 +54,12 @@ class FastTokenizer:
         self._template = None if chat_template is None else _environment().from_string(chat_template)
 
     def __call__(self, text: str) -> Encoded:
-        return Encoded(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        return Encoded(self._encode(text, add_special_tokens=True))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # the batch call releases the GIL (`encode` holds it throughout): a long prompt tokenizes in a thread
+        # while the event loop serves the other requests; and without offsets it is 15-20% faster
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True, tools: list[dict] | None = None) -> list[int] | str:
@@ -63,7 +68,7 @@ class FastTokenizer:
         text = self._template.render(messages=messages, tools=tools,
                                      add_generation_prompt=add_generation_prompt, **self._special)
         # the template writes the special tokens itself, as transformers encodes it
-        return self._tokenizer.encode(text, add_special_tokens=False).ids if tokenize else text
+        return self._encode(text, add_special_tokens=False) if tokenize else text
 
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab()

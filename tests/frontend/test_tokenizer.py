@@ -62,3 +62,37 @@ def test_the_frontend_tokenizes_without_importing_torch(model_dir):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_long_prompt_tokenizes_without_holding_the_gil(model_dir):
+    """The frontend tokenizes a long prompt in a thread (app._INLINE_BODY_BYTES): its event loop must run
+    meanwhile. Measured as how much this thread spins, against its rate alone, while another one tokenizes
+    ~200k tokens: a tokenizer that holds the GIL lets it spin one switch interval (5 ms) at most."""
+    import threading
+    import time
+
+    tokenizer = load_tokenizer(model_dir)[0]
+    text = "the quick brown fox jumps over the lazy dog, " * 20_000
+
+    def spin(until) -> int:
+        spins = 0
+        while not until():
+            spins += 1
+        return spins
+
+    deadline = time.perf_counter() + 0.05
+    rate = spin(lambda: time.perf_counter() > deadline) / 0.05  # spins a second, alone
+    ids, times = [], []
+
+    def tokenize():
+        start = time.perf_counter()
+        ids.extend(tokenizer(text).input_ids)
+        times.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    spins = spin(lambda: not worker.is_alive())
+    worker.join()
+    assert len(ids) > 100_000
+    # two threads on two cores, or sharing one busy core: well over a quarter either way
+    assert spins > 0.25 * rate * times[0], f"{spins} spins in {times[0] * 1e3:.0f} ms at {rate:.0f} a second"
