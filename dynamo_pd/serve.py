@@ -27,7 +27,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from dynamo_pd.cli import (NAMESPACE_HELP, add_engine_args, add_frontend_args, add_kv_args,
                            check_frontend_args, check_namespace, engine_config, frontend_argv,
@@ -42,6 +44,7 @@ from dynamo_pd import tracing
 
 _READY_TIMEOUT_S = 600.0
 _STOP_GRACE_S = 10.0
+T = TypeVar("T")
 
 
 def _serve_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -288,6 +291,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: threading.Event) -> T:
+    """`work`'s result, or KeyboardInterrupt within 0.5 s of `stop` being set (as _watch: the readiness wait and
+    the planner's serving see a stop whose KeyboardInterrupt Python swallowed)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if stop.is_set():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise KeyboardInterrupt
+        await asyncio.wait([task], timeout=0.5)
+    return task.result()
+
+
 def _watch(children: list[subprocess.Popen], log_dir: Path, stop: threading.Event) -> None:
     """Serve until the frontend exits or `stop` is set (KeyboardInterrupt); a worker that dies is reported and
     the rest keep serving (discovery drops it within its lease TTL, and the router stops sending it work)."""
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(_signum, _frame) -> None:
         # The first Ctrl-C / SIGTERM stops everything; a second one (a terminal signals the whole
         # process group, so it often comes at once) must not cut that shutdown short. The exception can
-        # land where Python ignores it (a weakref callback of an import): `stop` is seen by _watch then.
+        # land where Python ignores it (a weakref callback of an import): `stop` is seen by the waits then.
         stop.set()
         _ignore_signals()
         raise KeyboardInterrupt
@@ -349,9 +366,10 @@ def main(argv: list[str] | None = None) -> None:
                     preexec_fn=None if cores is None else lambda cores=cores: os.sched_setaffinity(0, cores)))
         configure(args.security)  # _wait_ready reads discovery
         if args.planner:
-            asyncio.run(_serve_planned(args, engine_argv, discovery_url, children, log_dir, env))
+            asyncio.run(_unless_stopped(_serve_planned(args, engine_argv, discovery_url, children, log_dir, env), stop))
             return
-        infos = asyncio.run(_wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir))
+        infos = asyncio.run(_unless_stopped(
+            _wait_ready(discovery_url, args.namespace, worker_count(args), children, log_dir), stop))
         print(f"dynamo-pd ready: OpenAI API at http://{args.host}:{args.port}/v1 "
               f"({' + '.join(' '.join(c[2].split('.')[-1:]) for c in commands[1:])}); Ctrl-C stops", flush=True)
         _report_metrics(args, infos)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import pytest
 
 from dynamo_pd.engines.base import EngineRole
 from dynamo_pd.runtime.ports import free_port
-from dynamo_pd.serve import _watch, failure_line, parse_args, plan, stop_children
+from dynamo_pd.serve import _unless_stopped, _watch, failure_line, parse_args, plan, stop_children
 from dynamo_pd.worker import parse_args as worker_args
 from tests.e2e.conftest import MODEL, Deployment
 
@@ -238,3 +239,17 @@ def test_a_stop_whose_keyboard_interrupt_python_swallowed_still_ends_the_watch(t
     finally:
         frontend.kill()
         frontend.wait()
+
+
+def test_a_swallowed_stop_also_ends_the_readiness_wait():
+    """The same stop before "ready" (workers still loading a model): the asyncio waits end on it too."""
+    stop = threading.Event()
+
+    async def never_ready() -> None:
+        await asyncio.sleep(3600)
+
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(_unless_stopped(never_ready(), stop))
+    assert time.monotonic() - started < 10
