@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks import deploy
 from benchmarks.provenance import collect
 from dynamo_pd.model_store import default_model_path
 from dynamo_pd.runtime.ports import free_port
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/bfcl")
     args = p.parse_args(argv)
     provenance = collect("python -m benchmarks.bfcl", argv)  # the commit the run starts on
+    deploy.stop_on_sigterm()
     bfcl = load_bfcl(args.bfcl_path)
     model_dir = Path(args.model) if args.model else default_model_path()
     out = Path(args.out)

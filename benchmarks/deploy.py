@@ -64,6 +64,16 @@ def _routed_workers(client: httpx.Client) -> int:
         return 0
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a CI timeout, a `kill`) ends a benchmark as Ctrl-C does, through the `finally` blocks that stop
+    the processes it started; by default it would end Python at once and leave them serving. Main thread only."""
+
+    def interrupt(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @contextlib.contextmanager
 def running(d: Deployment, log_dir: Path) -> Iterator[str]:
     """The deployment's base URL while it runs; serve stops every process on exit."""

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import deploy  # noqa: E402
 from benchmarks.provenance import ROOT, collect  # noqa: E402
 from dynamo_pd.runtime.ports import free_port  # noqa: E402
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("serve_args", nargs="*", help="arguments for serve (after --)")
     args = p.parse_args(argv)
     provenance = collect("python benchmarks/footprint.py", argv)
+    deploy.stop_on_sigterm()
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="footprint-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "dynamo_pd.serve", "--port", str(port), "--discovery-port", str(free_port()),

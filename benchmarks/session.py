@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import aiperf_run
+from benchmarks import aiperf_run, deploy
 from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.provenance import Provenance, collect
 from benchmarks.report import Summary, progress_line, summarize
@@ -68,6 +68,7 @@ class Session:
     records: dict[tuple[str, str], list[Record]] = field(default_factory=dict)  # each run's requests
 
     def __post_init__(self) -> None:
+        deploy.stop_on_sigterm()
         self.provenance = collect(f"python -m benchmarks.{self.command}", self.argv)
         self.aiperf = aiperf_run.find_aiperf(self.args.aiperf)
         self.out = self.args.out or Path("benchmarks/out") / f"{self.command}-{time.strftime('%Y%m%d-%H%M%S')}"
