@@ -293,16 +293,24 @@ def descendants(pid: int) -> list[int]:
 
 async def _unless_stopped(work: Coroutine[Any, Any, T], stop: threading.Event) -> T:
     """`work`'s result, or KeyboardInterrupt within 0.5 s of `stop` being set (as _watch: the readiness wait and
-    the planner's serving see a stop whose KeyboardInterrupt Python swallowed)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
+    the planner's serving see a stop whose KeyboardInterrupt Python swallowed). `work` runs in this task, so
+    what it raises (SystemExit naming a failed worker) leaves asyncio.run as it would without this."""
+    task = asyncio.current_task()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
         if stop.is_set():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise KeyboardInterrupt
-        await asyncio.wait([task], timeout=0.5)
-    return task.result()
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 def _watch(children: list[subprocess.Popen], log_dir: Path, stop: threading.Event) -> None:
