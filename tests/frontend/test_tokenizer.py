@@ -67,7 +67,7 @@ def test_the_frontend_tokenizes_without_importing_torch(model_dir):
 def test_a_long_prompt_tokenizes_without_holding_the_gil(model_dir):
     """The frontend tokenizes a long prompt in a thread (app._INLINE_BODY_BYTES): its event loop must run
     meanwhile. Measured as how much this thread spins, against its rate alone, while another one tokenizes
-    ~200k tokens: a tokenizer that holds the GIL lets it spin one switch interval (5 ms) at most."""
+    ~200k tokens."""
     import threading
     import time
 
@@ -94,5 +94,6 @@ def test_a_long_prompt_tokenizes_without_holding_the_gil(model_dir):
     spins = spin(lambda: not worker.is_alive())
     worker.join()
     assert len(ids) > 100_000
-    # two threads on two cores, or sharing one busy core: well over a quarter either way
-    assert spins > 0.25 * rate * times[0], f"{spins} spins in {times[0] * 1e3:.0f} ms at {rate:.0f} a second"
+    # with `encode` (holds the GIL, re-taking it as soon as it is released) it spins 0.8-1.4% of its rate, alone
+    # or beside two busy processes; the batch call 19-54%, and 21% in CI beside another test worker
+    assert spins > 0.05 * rate * times[0], f"{spins} spins in {times[0] * 1e3:.0f} ms at {rate:.0f} a second"
