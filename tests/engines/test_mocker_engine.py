@@ -109,6 +109,31 @@ async def test_measured_step_costs_are_what_steps_take_with_the_engines_own_work
         assert costs.decode_s_per_block == pytest.approx(profiled.decode_s_per_block)
 
 
+async def test_a_sped_up_mocker_runs_the_steps_it_is_behind_on_without_a_turn_of_the_loop_each():
+    """At --speedup 1000 a decode step is a few microseconds, far shorter than a turn of a busy process's loop
+    (here a neighbour that works 1 ms each turn): steps run back to back for up to a millisecond, so 128
+    tokens take far fewer turns than tokens. One step a turn took 128 or more."""
+    engine = MockerEngine(EngineConfig(num_kv_blocks=48, extra={"speedup": 1000.0}))
+    await engine.start()
+    turns = 0
+
+    async def neighbour():
+        nonlocal turns
+        while True:
+            time.sleep(1e-3)
+            turns += 1
+            await asyncio.sleep(0)
+
+    busy = asyncio.create_task(neighbour())
+    try:
+        outs = await collect(engine, request("r", [1, 2, 3], max_tokens=128))
+    finally:
+        busy.cancel()
+        await engine.stop()
+    assert len(tokens_of(outs)) == 128
+    assert turns < 0.75 * 128, f"{turns} turns of the loop for 128 tokens"
+
+
 async def test_the_registry_builds_a_mocker_that_serves_plain_text():
     engine = create_engine("mocker", EngineConfig(num_kv_blocks=8, extra={"speedup": SPEEDUP}))
     await engine.start()
