@@ -4,7 +4,8 @@
     python -m dynamo_pd.mocker --workers 16 --role aggregated       # 16 mocker workers in one process
 
 No model runs, so no thread is needed: one asyncio task per engine schedules a batch, waits out the
-time the profile gives it on a clock (real, or a fake one in tests), then delivers its outputs.
+time the profile gives it on a clock (real, or a fake one in tests), then delivers its outputs; a step
+it is behind on (sped up past a turn of the loop) runs at once, up to _BURST_S of steps a turn.
 Commands (new requests, aborts, finished KV loads) that arrive meanwhile run before the next step,
 as the native engine's step thread runs them; the request life (sinks, generate, aborts, KV loads)
 is the native engine's too (engines/native/driver.py). Many engines share one loop, so many workers share
