@@ -32,6 +32,9 @@ def _bounded(body: dict) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         if number(key):
             body[key] = min(int(body[key]), 2)
+    # the generator compares int64's bounds as floats: 2**63 + 191 passed as below 2**63 (seed 188033766)
+    if number("seed"):
+        body["seed"] = max(-(1 << 63), min(int(body["seed"]), (1 << 63) - 1))
     # what depends on the model or on other fields: its FIM tokens (suffix), its vocabulary (logit_bias), specs
     # that must compile (structured output, a forced tool call), best_of >= n, nothing scored while streaming
     for key in ("suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
