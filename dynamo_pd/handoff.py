@@ -154,7 +154,8 @@ class HandoffManager:
             if prefixes.out:  # a read in flight ends by its own lease, whatever happens to the reader
                 deadline = max(deadline, loop.time() + self.times.transfer_timeout_s)
             try:
-                await asyncio.wait_for(prefixes.changed.wait(), max(0.0, deadline - loop.time()))
+                async with asyncio.timeout_at(deadline):
+                    await prefixes.changed.wait()
             except asyncio.TimeoutError:
                 break
         return prefixes.lent - start
@@ -203,7 +204,8 @@ class HandoffManager:
                     self._trace_transfer(moved, trace)
                 yield out
             if released is not None:
-                await asyncio.wait_for(released.wait(), self.times.engine_lease_s)
+                async with asyncio.timeout(self.times.engine_lease_s):
+                    await released.wait()
             if pushing is not None:
                 await pushing  # bounded: the rendezvous by the lease, the push by the transfer timeout
         finally:
@@ -314,7 +316,8 @@ class HandoffManager:
             # engine may free them.
             if self.agent.release(rid) and not ended.done():
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                    await asyncio.wait_for(asyncio.shield(ended), self.times.drain_s)
+                    async with asyncio.timeout(self.times.drain_s):
+                        await asyncio.shield(ended)
         if reason is not ReleaseReason.DONE:
             raise TransferError(f"push of {rid!r} from {handoff.worker_id} ended: {reason.value}")
         first_token_ids, started = msgspec.msgpack.decode(payload)

@@ -117,7 +117,8 @@ class WorkerEndpoint:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            method, path = await asyncio.wait_for(_read_request(reader), _REQUEST_TIMEOUT_S)
+            async with asyncio.timeout(_REQUEST_TIMEOUT_S):
+                method, path = await _read_request(reader)
             status, content_type, body = self._route(method, path)
             head = (f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                     f"Connection: close\r\n\r\n").encode()

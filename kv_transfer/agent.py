@@ -511,7 +511,8 @@ class KVTransferAgent:
         """Prefill side: the descriptor the decode side reserved for `request_id` (sent before or after)."""
         target = self._push_target(request_id)
         try:
-            return await asyncio.wait_for(asyncio.shield(target), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(target)
         except asyncio.TimeoutError:
             lost = PeerLostError(f"no decode side reserved blocks for {request_id!r} within {timeout_s:.1f}s")
             self._count_failure(lost)

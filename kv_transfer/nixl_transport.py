@@ -92,7 +92,8 @@ class NixlTransport(Transport):
         if desc.agent_name in self._peers:
             return desc.agent_name
         if self._etcd is not None:
-            found = await asyncio.wait_for(self._etcd.get((ETCD_PREFIX + desc.agent_name).encode()), timeout)
+            async with asyncio.timeout(timeout):
+                found = await self._etcd.get((ETCD_PREFIX + desc.agent_name).encode())
             if found is None:
                 raise PeerLostError(f"no NIXL metadata for agent {desc.agent_name!r} in etcd")
             metadata = found.value
@@ -226,7 +227,8 @@ class NixlTransport(Transport):
             if self._etcd is not None:  # peers fetch the fresh agent's metadata by the same name
                 await self._etcd.put((ETCD_PREFIX + self._name).encode(), self.metadata())
         try:
-            await asyncio.wait_for(destroyed.wait(), self.config.timeout_s)
+            async with asyncio.timeout(self.config.timeout_s):
+                await destroyed.wait()
         except asyncio.TimeoutError:
             log.error("the old NIXL agent of %s is still referenced; a stopped transfer may yet land", self._name)
 

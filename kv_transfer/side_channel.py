@@ -220,14 +220,15 @@ class SideChannelClient:
             # A DEALER with no peer pipe (down, or a refused CURVE handshake) blocks on send. A POLLOUT
             # check first is not enough: the pipe can vanish between the poll and the send.
             try:
-                await asyncio.wait_for(
-                    conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False), timeout)
+                async with asyncio.timeout(timeout):
+                    await conn.socket.send_multipart([call_id, _encoder.encode(request), *frames], copy=False)
             except asyncio.TimeoutError:
                 raise PeerLostError(
                     f"could not send {type(request).__name__} to {endpoint} within {timeout:.1f}s") from None
             while True:
                 try:
-                    kind, rest = await asyncio.wait_for(queue.get(), timeout)
+                    async with asyncio.timeout(timeout):
+                        kind, rest = await queue.get()
                 except asyncio.TimeoutError:
                     raise PeerLostError(
                         f"no answer from {endpoint} to {type(request).__name__} within {timeout:.1f}s"

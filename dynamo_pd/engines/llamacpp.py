@@ -221,8 +221,8 @@ class LlamaCppEngine(Engine):
                                       f"{len(request.prompt_token_ids)}", "handoff")
         blocks = self.pool.allocate(handoff.num_tokens)
         try:
-            first = await asyncio.wait_for(self.kv_loader(handoff, blocks, 0),
-                                           self.config.handoff.load_timeout_s(handoff))
+            async with asyncio.timeout(self.config.handoff.load_timeout_s(handoff)):
+                first = await self.kv_loader(handoff, blocks, 0)
         except BaseException:
             self.pool.free(blocks)
             raise

@@ -52,7 +52,8 @@ class EtcdStore:
 
     async def _call(self, call: Awaitable[T], what: str) -> T:
         try:
-            return await asyncio.wait_for(call, self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                return await call
         except asyncio.TimeoutError:
             raise DiscoveryUnavailableError(
                 f"etcd {self.url} did not answer {what} within {self._timeout_s}s") from None
@@ -99,13 +100,15 @@ class EtcdStore:
                     f"etcd {self.url} watch on {prefix!r} failed: {exc!r}") from exc
         finally:
             try:
-                await asyncio.wait_for(watch.cancel(), self._timeout_s)
+                async with asyncio.timeout(self._timeout_s):
+                    await watch.cancel()
             except (asyncio.TimeoutError, aetcd.exceptions.ClientError):
                 pass  # the stream is gone anyway
 
     async def close(self) -> None:
         try:
-            await asyncio.wait_for(self._client.close(), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.close()
         except (asyncio.TimeoutError, aetcd.exceptions.ClientError):
             pass
 

@@ -69,10 +69,10 @@ class NatsEventPlane(EventPlane):
             log.warning("NATS %s: %r", url, exc)
 
         try:
-            client = await asyncio.wait_for(
-                nats.connect(url, connect_timeout=connect_timeout_s, allow_reconnect=True, error_cb=on_error,
-                             max_reconnect_attempts=-1, reconnect_time_wait=0.5, **auth.connect_kwargs()),
-                connect_timeout_s * 2)
+            async with asyncio.timeout(connect_timeout_s * 2):
+                client = await nats.connect(url, connect_timeout=connect_timeout_s, allow_reconnect=True,
+                                            error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                            **auth.connect_kwargs())
         except asyncio.TimeoutError as exc:
             cause = f": {failed[-1]!r}" if failed else ""
             raise EventPlaneError(f"cannot connect to NATS at {url} within {connect_timeout_s * 2}s{cause}") from exc
@@ -116,6 +116,7 @@ class NatsEventPlane(EventPlane):
         for sub in list(self._subscriptions):
             await sub.close()
         try:
-            await asyncio.wait_for(self._client.close(), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.close()
         except (asyncio.TimeoutError, nats.errors.Error):
             pass

@@ -144,7 +144,6 @@ class ZmqBatchSource:
             with contextlib.suppress(zmq.Again):  # no peer yet: the poll below times out
                 send_now(dealer, [b"", _seq(start_seq)])
             while True:
-                # dealer.poll, not asyncio.wait_for: on Python < 3.12 wait_for can swallow a cancellation
                 if not await dealer.poll(self._replay_timeout_s * 1000):
                     log.warning("replay from %s timed out after %.1fs", self.replay_endpoint,
                                 self._replay_timeout_s)
@@ -188,7 +187,8 @@ class PlaneBatchSource:
     async def next(self, timeout_s: float | None = None) -> Batch | None:
         while True:
             try:
-                _, data = await asyncio.wait_for(anext(self._subscription), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    _, data = await anext(self._subscription)
             except asyncio.TimeoutError:
                 return None
             if len(data) >= 8:

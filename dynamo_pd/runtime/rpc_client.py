@@ -257,7 +257,8 @@ class RpcClient:
         conn.released = False  # the worker is back before its streams ended: keep the connection
         if not conn.settled.is_set():
             try:
-                await asyncio.wait_for(conn.settled.wait(), self.connect_timeout_s)
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await conn.settled.wait()
             except asyncio.TimeoutError:
                 conn.fail(WorkerGoneError(
                     f"could not connect to worker {endpoint} within {self.connect_timeout_s}s"))

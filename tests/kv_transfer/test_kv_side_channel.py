@@ -58,6 +58,38 @@ async def test_a_malformed_message_is_counted_and_dropped():
         await server.close()
 
 
+async def test_a_call_cancelled_as_its_reply_arrives_is_cancelled():
+    """The reply is queued and its caller cancelled in one turn of the loop (a decode request cancelled as its
+    Reserve was answered): the call raises CancelledError. Python 3.11's asyncio.wait_for returned the reply
+    and dropped the cancellation, and the cancelled request's blocks waited for a push until their lease."""
+    server, _ = await blocking_server()
+    client = SideChannelClient()
+    caller: asyncio.Task | None = None
+
+    class CancelOnReply(dict):
+        """The client's calls by id; the reader task's put of a reply also cancels the caller."""
+
+        def get(self, call_id):
+            queue = super().get(call_id)
+
+            class Queue:
+                def put_nowait(self, item) -> None:
+                    queue.put_nowait(item)
+                    caller.cancel()
+
+            return None if queue is None else Queue()
+
+    client._calls = CancelOnReply()
+    try:
+        caller = asyncio.create_task(client.call(server.endpoint, GetMetadata(), 5.0))
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert caller.cancelled()
+    finally:
+        await client.close()
+        await server.close()
+
+
 async def test_control_messages_do_not_wait_behind_a_bulk_copy():
     server, gate = await blocking_server()
     client = SideChannelClient()

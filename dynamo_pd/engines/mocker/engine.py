@@ -179,4 +179,5 @@ class MockerEngine(CoreDriver):
             return
         self._wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self._idle_timeout())
+            async with asyncio.timeout(self._idle_timeout()):
+                await self._wake.wait()

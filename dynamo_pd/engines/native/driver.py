@@ -175,9 +175,8 @@ class CoreDriver(Engine):
     async def _load(self, request: EngineRequest, order: LoadOrder) -> None:
         rid = request.request_id
         try:
-            first_token_ids = await asyncio.wait_for(
-                self.kv_loader(request.handoff, order.block_ids, order.cached_blocks),
-                timeout=self.config.handoff.load_timeout_s(request.handoff))
+            async with asyncio.timeout(self.config.handoff.load_timeout_s(request.handoff)):
+                first_token_ids = await self.kv_loader(request.handoff, order.block_ids, order.cached_blocks)
             await self._after_load(request, order)
         except Exception as exc:  # noqa: BLE001 - any loader failure ends this request, not the engine
             message = f"KV load for {rid!r} failed: {exc!r}"
@@ -190,8 +189,8 @@ class CoreDriver(Engine):
         rid, core = request.request_id, self._core
         blocks, observe = order.cached_blocks, None
         try:
-            pulled = await asyncio.wait_for(self.prefix_loader(request, order.block_ids, order.cached_blocks),
-                                            timeout=self.config.handoff.hold_s)
+            async with asyncio.timeout(self.config.handoff.hold_s):
+                pulled = await self.prefix_loader(request, order.block_ids, order.cached_blocks)
             moved = pulled.blocks - order.cached_blocks
             extra_s = await self._after_prefix_load(moved) if moved > 0 else 0.0
             if moved > 0:

@@ -106,7 +106,8 @@ class NativeEngine(CoreDriver):
                 future.set_exception(exc)
 
         self._do(command)
-        return await asyncio.wait_for(asyncio.wrap_future(future), _REPLY_TIMEOUT_S)
+        async with asyncio.timeout(_REPLY_TIMEOUT_S):
+            return await asyncio.wrap_future(future)
 
     # ---- the step thread
 

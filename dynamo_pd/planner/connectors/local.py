@@ -204,7 +204,8 @@ class LocalConnector(Connector):
         try:
             shared.writer.write(f"{verb} {worker_id}\n".encode())
             await shared.writer.drain()
-            reply = await asyncio.wait_for(answer, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                reply = await answer
         except (asyncio.TimeoutError, ConnectionError) as exc:
             raise ConnectorError(f"{verb} {worker_id}: no answer from the {pool} process "
                                  f"({exc!r}; log: {self.launch.log_dir / pool}.log)") from None
