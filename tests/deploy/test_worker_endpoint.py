@@ -95,7 +95,9 @@ def test_ready_follows_the_registration_and_the_drain(tmp_path):
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 6000, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60) as reply:
             assert reply.status_code == 200
-            assert next(line for line in reply.iter_lines() if line.startswith("data:"))  # it is generating
+            # held until the block ends: a dropped line iterator closes the connection when it is collected
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # it is generating
             worker.send_signal(signal.SIGTERM)
             wait_for(lambda: get(f"{endpoint}/ready")[0] == 503, 30, "/ready 503 once the drain started")
             assert worker.poll() is None, "the worker exited instead of draining the request in flight"
