@@ -33,6 +33,7 @@ from dynamo_pd.worker import Worker, parse_args as worker_args
 from router.hashing import block_hashes
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
+from tests.waits import until
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = [1000 + 7 * i for i in range(200)]  # token ids: 12 full blocks of 16
@@ -53,13 +54,6 @@ async def _get(client: httpx.AsyncClient, path: str) -> httpx.Response | None:
         return await client.get(path)
     except httpx.HTTPError:  # not listening yet
         return None
-
-
-async def _until(condition, timeout_s: float, what: str) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await condition():
-            await asyncio.sleep(0.1)  # polling a server's state over HTTP: nothing to wait on
-    assert await condition(), what
 
 
 class Stack:
@@ -85,7 +79,7 @@ class Stack:
                 async def routed() -> bool:
                     response = await _get(client, "/metrics")
                     return response is not None and response.text.count("dynamo_pd_worker_total_blocks{") == 3
-                await _until(routed, 60, "the frontend routes to all three workers")
+                await until(routed, "the frontend routes to all three workers", 60, poll_s=0.1)
         except BaseException:
             await self.__aexit__()
             raise

@@ -3,7 +3,6 @@ register, each seeing only its model's workers; a worker taken out of routing an
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -14,17 +13,12 @@ from dynamo_pd.protocol import WorkerInfo
 from dynamo_pd.runtime import DiscoveryServer, connect_discovery, connect_event_plane
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
+from tests.waits import until
 
 
 def worker(worker_id: str, model: str, role: Role = Role.AGGREGATED) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, engine="native", model=model, model_path=f"/models/{model}",
                       rpc_endpoint="tcp://127.0.0.1:1", block_size=4, num_kv_blocks=64)
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from router.load import LoadKey
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
 from tests.servers import binary, running_server
+from tests.waits import until
 
 FAST = dict(ttl_s=2.0, keepalive_s=0.5, request_timeout_s=1.0)
 
@@ -32,12 +33,6 @@ FAST = dict(ttl_s=2.0, keepalive_s=0.5, request_timeout_s=1.0)
 def worker(worker_id: str, port: int = 1, role: Role = Role.DECODE) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, role=role, engine="native", model="model",
                       rpc_endpoint=f"tcp://127.0.0.1:{port}", block_size=16, num_kv_blocks=64)
-
-
-async def until(predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.05)
 
 
 class TcpProxy:
@@ -122,7 +117,7 @@ async def test_worker_that_leaves_during_a_long_outage_is_removed_after_it(kind,
             await gone.close()  # w2 leaves while the watcher cannot see it
             await asyncio.sleep(0.5)
             await proxy.start()
-            await until(lambda: left == ["w2"], 30, "w2 removed")
+            await until(lambda: left == ["w2"], "w2 removed", 30)
             assert set(membership.workers) == {"w1"} and sorted(joined) == ["w1", "w2"]  # w1 not joined twice
             await registrar.register(worker("w3"))  # and the new watch follows changes as before
             await until(lambda: "w3" in joined)

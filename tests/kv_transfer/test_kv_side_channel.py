@@ -13,13 +13,7 @@ from kv_peer import filled_memory, make_layout
 from kv_transfer import KVMemory, KVTransferAgent, TransferConfig, TransferError
 from kv_transfer.protocol import Begin, Fetch, Finish, GetMetadata, Reply, Reserve, Write, raise_for
 from kv_transfer.side_channel import SideChannelClient, SideChannelServer
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.waits import until
 
 
 async def blocking_server():
@@ -47,7 +41,7 @@ async def test_a_malformed_message_is_counted_and_dropped():
     raw.connect(server.endpoint)
     try:
         await raw.send_multipart([b"one frame"])  # no call id, no body: before, it killed the server task
-        await until(lambda: server.malformed == 1)
+        await until(lambda: server.malformed == 1, "the malformed message counted")
         await raw.send_multipart([b"id", b"not msgpack"])
         assert (await raw.recv_multipart())[1] == b"R"  # answered as a bad request
         assert server.malformed == 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from types import SimpleNamespace
 
 import msgspec
@@ -30,6 +29,7 @@ from kv_transfer.protocol import HoldPrefix, PeerLostError, TransferDescriptor
 from router.hashing import block_hashes
 from tests.kv_transfer.kv_peer import Peer, make_layout
 from tests.kv_transfer.prefix_holder import PrefixHolder
+from tests.waits import until
 
 pytestmark = pytest.mark.slow  # the served model's tokenizer
 
@@ -54,13 +54,6 @@ async def run(engine: MockerEngine, req: EngineRequest) -> tuple[list[int], int]
         tokens += out.token_ids
         cached = out.usage.cached_tokens if out.usage else cached
     return tokens, cached
-
-
-async def until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.01)
 
 
 def idle(engine: MockerEngine) -> bool:

@@ -7,7 +7,6 @@ import itertools
 import os
 import subprocess
 import threading
-import time
 import uuid
 
 import openai
@@ -19,6 +18,7 @@ from dynamo_pd.runtime import connect_discovery
 from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.serve import parse_args, plan, stop_children, worker_command
 from tests.e2e.conftest import MODEL
+from tests.waits import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -77,13 +77,6 @@ def metric(url: str, name: str, **labels: str) -> float | None:
     return None
 
 
-async def until(condition, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(condition):
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
-        await asyncio.sleep(0.2)
-
-
 async def test_local_connector_grows_and_drains_native_workers_under_load(tmp_path):
     port, discovery_port = free_port(), free_port()
     namespace = f"test-{uuid.uuid4().hex[:8]}"
@@ -106,21 +99,21 @@ async def test_local_connector_grows_and_drains_native_workers_under_load(tmp_pa
     try:
         await connector.set_replicas("aggregated", 1)
         load = Load(url, clients=3)
-        await until(lambda: metric(url, "dynamo_pd_worker_total_blocks", worker="aggregated-0") is not None,
-                    "the frontend routing to aggregated-0", 120)
+        routing = lambda: metric(url, "dynamo_pd_worker_total_blocks", worker="aggregated-0") is not None  # noqa: E731
+        await until(lambda: asyncio.to_thread(routing), "the frontend routing to aggregated-0", 120, poll_s=0.2)
         unfailed = {prompt: load.complete(prompt) for prompt in PROMPTS}  # one worker, one request at a time
 
         with load:
             await connector.set_replicas("aggregated", 2)  # returns once aggregated-1 registered
-            running = lambda: metric(url, "dynamo_pd_worker_running_requests", worker="aggregated-1")  # noqa: E731
-            await until(lambda: (running() or 0) > 0, "requests running on aggregated-1", 120)
+            running = lambda: (metric(url, "dynamo_pd_worker_running_requests", worker="aggregated-1") or 0) > 0  # noqa: E731
+            await until(lambda: asyncio.to_thread(running), "requests running on aggregated-1", 120, poll_s=0.2)
             served = len(load.answers)
             await connector.set_replicas("aggregated", 1)  # aggregated-1 drains with requests in flight
             assert await connector.replicas() == {"aggregated": 1}
             await connector.wait_drained()
             assert {info.worker_id for info in await discovery.list(WorkerInfo)} == {"aggregated-0"}
             after = served + 2 * len(PROMPTS)
-            await until(lambda: len(load.answers) >= after, "requests after the drain", 300)
+            await until(lambda: len(load.answers) >= after, "requests after the drain", 300, poll_s=0.2)
         failed = [(prompt, answer) for prompt, answer in load.answers if isinstance(answer, Exception)]
         assert not failed, failed
         wrong = [(prompt, answer) for prompt, answer in load.answers if answer != unfailed[prompt]]

@@ -22,6 +22,7 @@ from router.load import LoadKey, LoadTracker
 from router.replica_sync import LoadUpdate, ReplicaSync, encode
 from router.worker import Role
 from tests.planner.k8s_api import FakeApiServer
+from tests.waits import until
 
 NS = "plannertest"
 PER_TOKEN = 25e-6  # s: the mocker's 8B model on an H100 prefills 3000 tokens in 75 ms
@@ -33,13 +34,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-async def until(condition, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not seen within {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

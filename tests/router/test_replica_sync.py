@@ -9,6 +9,7 @@ from router.replica_sync import LoadUpdate, ReplicaSync, encode
 from router.load import LoadKey
 from router.service import KvRouter, RouterConfig
 from router.worker import Role
+from tests.waits import until
 
 PROMPT = list(range(64))
 
@@ -18,14 +19,6 @@ def replica() -> KvRouter:
     for w in ("w0", "w1"):
         router.add_worker(w, "prefill", capacity_blocks=100)
     return router
-
-
-async def eventually(predicate, timeout=5.0):
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def linked(sender, receiver):
@@ -40,16 +33,16 @@ async def linked(sender, receiver):
 
 async def check_shared_load(a: KvRouter, b: KvRouter):
     first = a.route("prefill", "r1", PROMPT)
-    await eventually(lambda: b.load.load(first.worker_id).requests == 1)
+    await until(lambda: b.load.load(first.worker_id).requests == 1)
     # b sees a's request and picks the other worker, as a single router would
     second = b.route("prefill", "r1", PROMPT)  # same id from another replica is a different request
     assert second.worker_id != first.worker_id
-    await eventually(lambda: a.load.load(second.worker_id).requests == 1)
+    await until(lambda: a.load.load(second.worker_id).requests == 1)
     a.mark_prefill_done("r1")
-    await eventually(lambda: b.load.load(first.worker_id).prefill_tokens == 0)
+    await until(lambda: b.load.load(first.worker_id).prefill_tokens == 0)
     a.mark_finished("r1")
     b.mark_finished("r1")
-    await eventually(lambda: all(r.load.load(w).requests == 0 for r in (a, b) for w in ("w0", "w1")))
+    await until(lambda: all(r.load.load(w).requests == 0 for r in (a, b) for w in ("w0", "w1")))
 
 
 async def test_replicas_share_their_placements_through_the_transport_they_are_given(caplog):

@@ -14,6 +14,7 @@ from dynamo_pd.runtime.kv_events import PlaneBatchPublisher, ZmqBatchPublisher, 
 from router.events import BlockRemoved, BlockStored, encode_batch
 from router.hashing import block_hashes
 from router.service import KvRouter, RouterConfig
+from tests.waits import until
 
 BS = 4
 PROMPTS = [[p * 1000 + i for i in range(4 * BS)] for p in range(12)]
@@ -33,14 +34,6 @@ def matches(router: KvRouter, p: int) -> dict:
     return router.indexer.find_matches(block_hashes(PROMPTS[p], BS))
 
 
-async def eventually(predicate, timeout: float = 5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not reached within {timeout:.1f}s")
-        await asyncio.sleep(0.01)
-
-
 def new_router(events=None) -> tuple[KvRouter, KvEventFollower]:
     router = KvRouter(RouterConfig(block_size=BS))
     router.add_worker("w", "prefill", capacity_blocks=1000)
@@ -53,10 +46,10 @@ async def test_events_reach_the_indexer_and_a_late_joiner_replays_what_it_missed
     await pub.publish(stored(1))
     router, follower = new_router()
     await follower.follow(worker(endpoint=pub.endpoint, replay=pub.replay_endpoint))
-    await eventually(lambda: matches(router, 1) == {"w": 4})
+    await until(lambda: matches(router, 1) == {"w": 4})
     assert matches(router, 0) == {"w": 4}
     await pub.publish(encode_batch([BlockRemoved([b"0-2"])]))
-    await eventually(lambda: matches(router, 0) == {"w": 2})
+    await until(lambda: matches(router, 0) == {"w": 2})
     assert router.ingestor.expected_seq("w") == 3 and router.ingestor.stats.resets == 0
     await follower.close()
     await pub.close()
@@ -114,7 +107,7 @@ async def probe(pub: ZmqBatchPublisher, arrived) -> int:
     for published in range(1, 200):
         await pub.publish(stored(11))
         try:
-            await eventually(arrived, timeout=0.05)
+            await until(arrived, "a probe batch", 0.05)
             return published
         except AssertionError:
             continue
@@ -127,7 +120,7 @@ async def connected(router: KvRouter, follower: KvEventFollower, pub: ZmqBatchPu
     first = await probe(pub, lambda: link.received > 0)
     await follower.follow(worker(endpoint=link.endpoint, replay=pub.replay_endpoint))
     await link.subscribed()
-    await eventually(lambda: router.ingestor.expected_seq("w") == first)  # the probes, replayed
+    await until(lambda: router.ingestor.expected_seq("w") == first)  # the probes, replayed
     return first
 
 
@@ -140,9 +133,9 @@ async def test_a_lost_batch_is_replayed_or_the_worker_rebuilt(buffer_steps, reco
     link.drop, link.hold_from = {first + 2}, first + 1
     for p in range(6):  # prompt 0 arrives; of prompts 1..5, held until released, prompt 2 is lost
         await pub.publish(stored(p))
-    await eventually(lambda: matches(router, 0) == {"w": 4} and len(link.held) == 5)  # the buffer is final
+    await until(lambda: matches(router, 0) == {"w": 4} and len(link.held) == 5)  # the buffer is final
     await link.release()
-    await eventually(lambda: matches(router, 5) == {"w": 4})
+    await until(lambda: matches(router, 5) == {"w": 4})
     stats = router.ingestor.stats
     assert stats.gaps >= 1
     if recovered_by == "replay":
@@ -165,7 +158,7 @@ async def test_the_last_batch_of_a_burst_lost_on_the_way_is_found_once_the_strea
     link.drop = {first + 1}
     await pub.publish(stored(1))
     await pub.publish(stored(2))  # the last one never arrives live
-    await eventually(lambda: matches(router, 2) == {"w": 4})
+    await until(lambda: matches(router, 2) == {"w": 4})
     assert matches(router, 1) == {"w": 4} and router.ingestor.stats.resets == 0
     await link.close()
     await follower.close()
@@ -178,11 +171,11 @@ async def test_without_replay_a_gap_drops_the_worker_state_and_rebuilds():
     router, follower = new_router()
     await follower.follow(worker(endpoint=link.endpoint))
     first = await probe(pub, lambda: router.ingestor.expected_seq("w") is not None)
-    await eventually(lambda: router.ingestor.expected_seq("w") == first)  # probes in flight arrived
+    await until(lambda: router.ingestor.expected_seq("w") == first)  # probes in flight arrived
     link.drop = {first + 2}
     for p in range(5):  # seq first..first+4; prompt 2's batch is lost on the way
         await pub.publish(stored(p))
-    await eventually(lambda: matches(router, 4) == {"w": 4})
+    await until(lambda: matches(router, 4) == {"w": 4})
     # what came before the gap may have been evicted in the lost batch: it is forgotten, never guessed
     assert [matches(router, p) for p in range(5)] == [{}, {}, {}, {"w": 4}, {"w": 4}]
     assert router.ingestor.stats.resets == 1
@@ -200,12 +193,12 @@ async def test_a_worker_that_left_is_no_longer_followed_and_is_forgotten():
     witness_follower = KvEventFollower(witness.ingestor, None)
     await follower.follow(worker(endpoint=pub.endpoint, replay=pub.replay_endpoint))
     await witness_follower.follow(worker("v", endpoint=pub.endpoint, replay=pub.replay_endpoint))
-    await eventually(lambda: matches(router, 0) == {"w": 4} and matches(witness, 0) == {"v": 4})
+    await until(lambda: matches(router, 0) == {"w": 4} and matches(witness, 0) == {"v": 4})
     follower.forget("w")  # as the frontend does when the worker leaves discovery
     router.remove_worker("w")
-    await eventually(lambda: all(t.get_name() != "kv-events-w" for t in asyncio.all_tasks()))  # unsubscribed
+    await until(lambda: all(t.get_name() != "kv-events-w" for t in asyncio.all_tasks()))  # unsubscribed
     await pub.publish(stored(1))
-    await eventually(lambda: matches(witness, 1) == {"v": 4})  # the batch went out
+    await until(lambda: matches(witness, 1) == {"v": 4})  # the batch went out
     assert matches(router, 0) == {} and matches(router, 1) == {}
     await witness_follower.close()
     await follower.close()
@@ -239,11 +232,11 @@ async def test_events_ride_the_nats_event_plane(nats_url):
         pub = PlaneBatchPublisher(worker_plane, "kv.w")
         for p in range(3):
             await pub.publish(stored(p))
-        await eventually(lambda: matches(router, 2) == {"w": 4})
+        await until(lambda: matches(router, 2) == {"w": 4})
         assert [matches(router, p) for p in range(3)] == [{"w": 4}] * 3
         # the event plane has no replay: a gap in the sequence drops the worker's state and rebuilds from there
         await worker_plane.publish("kv.w", (9).to_bytes(8, "big") + stored(5))
-        await eventually(lambda: matches(router, 5) == {"w": 4})
+        await until(lambda: matches(router, 5) == {"w": 4})
         assert matches(router, 0) == {} and router.ingestor.stats.resets == 1
     finally:
         await follower.close()

@@ -13,13 +13,7 @@ from dynamo_pd.runtime.errors import WorkerDrainingError
 from dynamo_pd.runtime.rpc_client import RpcClient
 from dynamo_pd.runtime.rpc_server import RpcServer
 from tests.runtime.test_rpc import Worker
-
-
-async def until(condition, timeout_s: float = 10.0) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(poll(), timeout_s)
+from tests.waits import until
 
 
 async def collect(client: RpcClient, endpoint: str, payload: bytes, rid: str) -> bytes:
