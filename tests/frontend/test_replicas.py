@@ -4,7 +4,8 @@ from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from router.load import LoadKey
 from router.replica_sync import decode
 from router.worker import Role
-from tests.router.test_replica_sync import check_shared_load, eventually, linked, replica
+from tests.router.test_replica_sync import check_shared_load, linked, replica
+from tests.waits import until
 
 
 async def test_frontends_on_one_namespace_share_their_routers_load(new_plane):
@@ -39,7 +40,7 @@ async def test_the_updates_of_one_turn_of_the_loop_are_one_message(new_plane):
         sync_b.apply = lambda data: (messages.append([u.key for u in decode(data)]), apply(data))
         for i in range(5):
             sync_a.publish("finish", LoadKey(f"turn{i}", Role.PREFILL))
-        await eventually(lambda: any("prefill:turn0" in keys for keys in messages))
+        await until(lambda: any("prefill:turn0" in keys for keys in messages))
         assert [keys for keys in messages if "prefill:turn0" in keys] == [[f"prefill:turn{i}" for i in range(5)]]
     finally:
         for sync in (sync_a, sync_b):

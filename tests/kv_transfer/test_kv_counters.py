@@ -8,7 +8,7 @@ import zmq
 import zmq.asyncio
 from kv_peer import filled_memory, make_layout
 from tests.kv_transfer.cases import needs_nixl
-from tests.runtime.test_rpc_drain import until
+from tests.waits import until
 
 from kv_transfer import (BlocksFreedError, CompatError, KVMemory, KVTransferAgent, LeaseExpiredError, PeerLostError,
                          TransferConfig)

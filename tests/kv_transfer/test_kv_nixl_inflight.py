@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 from tests.kv_transfer.cases import needs_nixl
-from tests.runtime.test_rpc_drain import until
+from tests.waits import until
 from kv_peer import Peer, filled_memory, make_config, make_layout, token_stream
 
 from kv_transfer import KVMemory, KVTransferAgent, PeerLostError
