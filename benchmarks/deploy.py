@@ -35,7 +35,7 @@ class Deployment:
     aggregated: int = 0
     prefill: int = 0
     decode: int = 0
-    router_policy: str = "kv"
+    router_policy: str | None = None  # None: serve's default policy
     worker_args: tuple[str, ...] = ()  # engine flags for every worker
 
     @property
@@ -53,8 +53,8 @@ def command(d: Deployment, port: int, discovery_port: int) -> list[str]:
     counts = ["--aggregated", str(d.aggregated)] if d.aggregated else ["--prefill", str(d.prefill),
                                                                         "--decode", str(d.decode)]
     return [sys.executable, "-m", "dynamo_pd.serve", *counts, "--engine", d.engine, "--port", str(port),
-            "--discovery-port", str(discovery_port), "--router-policy", d.router_policy, "--pin-cores",
-            *d.worker_args]
+            "--discovery-port", str(discovery_port), *(("--router-policy", d.router_policy) if d.router_policy else ()),
+            "--pin-cores", *d.worker_args]
 
 
 def _routed_workers(client: httpx.Client) -> int:

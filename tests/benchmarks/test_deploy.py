@@ -33,3 +33,19 @@ def test_sigterm_runs_the_benchmarks_cleanup(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_deployment_routes_with_serves_default_policy_unless_it_names_one():
+    """Benchmarks measure what users get: the kv_tiers comparison said "the time router" while every
+    Deployment passed --router-policy kv (no peer pull was ever planned: only `time` weighs peers)."""
+    from benchmarks import deploy
+    from dynamo_pd import serve
+    from router.service import RouterConfig
+
+    def policy(d: deploy.Deployment) -> str:
+        argv = deploy.command(d, port=8000, discovery_port=8001)
+        args, _ = serve.parse_args(argv[argv.index("dynamo_pd.serve") + 1:])
+        return args.router_policy
+
+    assert policy(deploy.Deployment("default", "mocker", aggregated=2)) == RouterConfig.policy == "time"
+    assert policy(deploy.Deployment("kv", "mocker", aggregated=2, router_policy="kv")) == "kv"
