@@ -25,10 +25,12 @@ candidates also give the scores, `costs(candidates, request)` (the lowest wins),
   holds the longest prefix (a pull: the fixed cost of the peer's hold round trip plus bytes over the rate
   w measured pulling). So w has two plans, and the one with the lower cost stands for w:
       local: covered = overlap_w + lower-tier blocks, fetch = onboard (copy-back) time
-      peer:  covered = the peer's overlap,            fetch = onboard + pull time
+      peer:  covered = the peer's overlap,            fetch = onboard + pull time + one step
   with uncached = prompt_tokens - covered * block_size, `own` adding the fetch time and `others` the
-  onboard time (copies back run on w's step thread; a pull does not). No threshold: a pull wins only
-  where it is predicted sooner than computing what it brings. FetchCosts a worker has not measured are
+  onboard time (copies back run on w's step thread; a pull does not). The step (d0 + d1 * blocks_w): a read
+  starts as the scheduler admits the request, and the request joins the batch at the first step after the
+  read ends, one step after it would have computed. No threshold: a pull wins only where it is predicted
+  sooner than computing what it brings. FetchCosts a worker has not measured are
   the fleet's median, else FETCH_PRIOR; a worker that reports no block size fetches nothing.
 - KvAwarePolicy: Dynamo's cost. For worker w,
       prefill_blocks = (prefill_tokens_w + prompt_tokens - overlap_w * block_size) / block_size
@@ -198,6 +200,8 @@ class TimePolicy:
         uncached = max(0, request.prompt_tokens - covered * request.block_size) if request.prefill else 0
         own = (k.prefill_s_per_token * (load.prefill_tokens + uncached) + fetch_s
                + k.output_tokens * (k.decode_s + k.decode_s_per_block * (load.blocks + blocks)))
+        if plan is not None and plan.peer is not None:  # it joins the batch a step after its read
+            own += k.decode_s + k.decode_s_per_block * load.blocks
         others = load.requests * (k.prefill_s_per_token * uncached + onboard_s
                                   + k.output_tokens * k.decode_s_per_block * blocks)
         return own + others

@@ -46,8 +46,9 @@ def test_lower_tier_blocks_extend_the_prefix_at_their_tiers_measured_rates():
 
 def test_a_pull_is_planned_exactly_where_it_is_predicted_sooner_than_computing_what_it_brings():
     request = RouteRequest(prompt_tokens=64 * BS + 1, block_size=BS)
-    # a peer holds 64 blocks: computing them takes 64 * 16 * 1 ms = 1.024 s; reading them 0.01 + 64 MB / rate
-    crossover = 64 * B / (1.024 - 0.01)  # bytes per second at which both take as long
+    # a peer holds 64 blocks: computing them takes 64 * 16 * 1 ms = 1.024 s; reading them 0.01 + 64 MB / rate,
+    # and the request joins the batch a step (0.01 s, no blocks running) after its read ends
+    crossover = 64 * B / (1.024 - 0.01 - 0.01)  # bytes per second at which both take as long
     for rate, source in ((crossover * 1.05, "peer"), (crossover * 0.95, "device")):
         fetch = FETCH._replace(pull_bytes_per_s=rate)
         c = candidate(peer="holder", peer_blocks=64, fetch=fetch)
@@ -60,6 +61,12 @@ def test_a_pull_is_planned_exactly_where_it_is_predicted_sooner_than_computing_w
     c = candidate(overlap=4, lower=(0, 10), peer="holder", peer_blocks=64)
     plans = TimePolicy.plans(c, FETCH, request)
     assert same(plans[1], FetchPlan("peer", 64, 10 * B / 1e9 + 0.01 + 50 * B / 2e9, 10 * B / 1e9, "holder"))
+    # a read that saves less than a step is not planned: it holds 1 block past the worker's 4, computed in 16 ms
+    # or read in 10.5 ms, then joined a step (10 ms) later (kv_tiers: requests seen before read their 8-block
+    # suffixes from their first worker, TTFT p50 +40% where the prefixes fit)
+    suffix = candidate(overlap=4, peer="holder", peer_blocks=5)
+    assert TimePolicy(seed=0).choose_plan([suffix], RouteRequest(prompt_tokens=5 * BS + 1, block_size=BS))[1] \
+        == FetchPlan("device", 4)
     # never the prompt's last token: the engine computes at least one
     c = candidate(peer="holder", peer_blocks=65)
     assert TimePolicy.plans(c, FETCH, RouteRequest(prompt_tokens=65 * BS, block_size=BS))[1].covered_blocks == 64
