@@ -62,8 +62,8 @@ def test_a_pull_is_planned_exactly_where_it_is_predicted_sooner_than_computing_w
     plans = TimePolicy.plans(c, FETCH, request)
     assert same(plans[1], FetchPlan("peer", 64, 10 * B / 1e9 + 0.01 + 50 * B / 2e9, 10 * B / 1e9, "holder"))
     # a read that saves less than a step is not planned: it holds 1 block past the worker's 4, computed in 16 ms
-    # or read in 10.5 ms, then joined a step (10 ms) later (kv_tiers: requests seen before read their 8-block
-    # suffixes from their first worker, TTFT p50 +40% where the prefixes fit)
+    # or read in 10.5 ms, then joined a step (10 ms) later (kv_tiers, where the prefixes fit: prompts seen before
+    # read their 8-block suffixes from the worker that computed them)
     suffix = candidate(overlap=4, peer="holder", peer_blocks=5)
     assert TimePolicy(seed=0).choose_plan([suffix], RouteRequest(prompt_tokens=5 * BS + 1, block_size=BS))[1] \
         == FetchPlan("device", 4)
