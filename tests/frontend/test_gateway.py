@@ -3,7 +3,6 @@ register, each seeing only its model's workers; a worker taken out of routing an
 
 from __future__ import annotations
 
-
 import pytest
 
 from dynamo_pd.frontend.backend import RemoteBackend
