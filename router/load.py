@@ -4,6 +4,10 @@ Prediction follows each request the router (or a replica, through router.replica
   route          -> the worker gains the request's uncached prompt tokens (to prefill) and its blocks
   prefill done   -> (first token) the prefill tokens leave
   finished       -> the blocks leave
+Blocks are KV the worker holds, as its reports count them: a prefix block that requests in flight on one worker
+share (its engine's prefix cache) counts once, until the last of them finishes (a replica's placements, which
+come without their hashes, count whole). Counted whole, a burst of prompts over 4 shared prefixes read as more
+than 16 workers' pools, and the busy check refused some.
 Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
 freed early, output growth). At each report the difference report - prediction becomes the worker's
 offset, added to the prediction until the next report, so load placed after the report still counts.
@@ -22,7 +26,7 @@ A report also carries the worker's measured step costs (StepCosts) and KV fetch 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -85,7 +89,9 @@ class WorkerLoad(NamedTuple):  # a NamedTuple: routing builds one per worker per
 class _Placement:
     worker_id: WorkerId
     prefill_tokens: int
-    blocks: int
+    blocks: int  # the blocks it added to the worker's: its own, and the shared ones no other placement held
+    unhashed: int  # its blocks past `hashes` (a partial last block), which no other placement shares
+    hashes: Sequence[int]
     placed_at: float
     prefill_done: bool = False
     finished: bool = False
@@ -100,6 +106,7 @@ class _Worker:
     prefill_offset: int = 0
     blocks_offset: int = 0
     requests_offset: int = 0
+    held: dict[int, int] = field(default_factory=dict)  # block hash -> the placements holding it
     costs: StepCosts = StepCosts()
     fetch: FetchCosts = FetchCosts()
     reported_at: float | None = None  # clock time of the last report
@@ -127,21 +134,31 @@ class LoadTracker:
         for key in [key for key, p in self._placements.items() if p.worker_id == worker_id]:
             del self._placements[key]
 
-    def place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
+    def place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int,
+              hashes: Sequence[int] = ()) -> None:
+        """`hashes`: the block hashes of the request's first blocks where the worker's prefix cache shares them
+        (none: it holds all `blocks` alone)."""
         if key in self._placements:
             raise ValueError(
                 f"request {key!r} is already placed on worker {self._placements[key].worker_id!r}"
             )
         worker = self._worker(worker_id)
+        held, shared = worker.held, 0
+        for h in hashes:
+            n = held.get(h, 0)
+            shared += n > 0
+            held[h] = n + 1
+        added = blocks - shared
         self._placements[key] = placement = _Placement(
-            worker_id, prefill_tokens, blocks, self._clock(), prefill_done=prefill_tokens == 0
+            worker_id, prefill_tokens, added, blocks - len(hashes), hashes, self._clock(),
+            prefill_done=prefill_tokens == 0,
         )
         recent = worker.recent
         recent.append(placement)
         while recent[0].finished or recent[0].placed_at <= placement.placed_at - RECENT_S:  # bounded without reports
             recent.popleft()
         worker.prefill_tokens += prefill_tokens
-        worker.blocks += blocks
+        worker.blocks += added
         worker.requests += 1
 
     def prefill_done(self, key: LoadKey) -> bool:
@@ -162,7 +179,15 @@ class LoadTracker:
         placement.finished = True
         worker = self._workers.get(placement.worker_id)
         if worker is not None:
-            worker.blocks -= placement.blocks
+            freed, held = placement.unhashed, worker.held
+            for h in placement.hashes:
+                n = held[h] - 1
+                if n:
+                    held[h] = n
+                else:
+                    del held[h]
+                    freed += 1
+            worker.blocks -= freed
             worker.requests -= 1
         return True
 

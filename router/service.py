@@ -299,7 +299,9 @@ class KvRouter:
         chosen, plan = self._choose(free, request)
         overlap, covered = chosen.overlap_blocks, plan.covered_blocks
         prefill_tokens = max(0, len(token_ids) - covered * request.block_size) if uses_overlap else 0
-        self._place(LoadKey(request_id, pool), chosen.worker_id, prefill_tokens, request.request_blocks)
+        # a worker that computes the prompt holds its prefix once for all requests sharing it
+        self._place(LoadKey(request_id, pool), chosen.worker_id, prefill_tokens, request.request_blocks,
+                    hashes if uses_overlap else ())
         fetched = dict(source=plan.source, peer=plan.peer, peer_blocks=covered if plan.peer is not None else 0)
         weighed = self._explain(free, request) if explain else ()
         return RouteDecision(chosen.worker_id, pool, overlap, covered * request.block_size, len(token_ids),
@@ -372,9 +374,10 @@ class KvRouter:
             or 0 < cfg.busy_prefill_tokens <= c.load.prefill_tokens
         )
 
-    def _place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int) -> None:
-        self.load.place(key, worker_id, prefill_tokens, blocks)
-        if self._sync is not None:
+    def _place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int,
+               hashes: Sequence[int]) -> None:
+        self.load.place(key, worker_id, prefill_tokens, blocks, hashes)
+        if self._sync is not None:  # the request's blocks (the planner's prompt size): replicas count them whole
             self._sync.publish("place", key, worker_id, prefill_tokens, blocks)
 
     def _keys(self, request_id: str, pool: Role | str | None) -> list[LoadKey]:

@@ -163,7 +163,7 @@ def test_predicted_load_follows_the_request_and_metrics_correct_it():
     time.sleep(2 * ARRIVAL_S)  # its counts are taken once r1 reached it (test_load_burst.py: before)
     router.update_load_metrics(metrics("w0", used_blocks=30, running=3))
     assert (router.load.load("w0").blocks, router.load.load("w0").requests) == (30, 3)
-    router.route("prefill", "r2", PROMPT)
+    router.route("prefill", "r2", [t + 1000 for t in PROMPT])  # a prompt of its own (a shared one counts once)
     assert router.load.load("w0").blocks == 38  # placed after the report: still counted
     router.mark_finished("r1")
     router.mark_finished("r2")
