@@ -5,9 +5,9 @@ Prediction follows each request the router (or a replica, through router.replica
   prefill done   -> (first token) the prefill tokens leave
   finished       -> the blocks leave
 Blocks are KV the worker holds, as its reports count them: a prefix block that requests in flight on one worker
-share (its engine's prefix cache) counts once, until the last of them finishes (a replica's placements, which
-come without their hashes, count whole). Counted whole, a burst of prompts over 4 shared prefixes read as more
-than 16 workers' pools, and the busy check refused some.
+share (its engine's prefix cache) counts once, until the last of them finishes, whichever router placed them.
+Counted whole, a burst of prompts over 4 shared prefixes read as more than 16 workers' pools, and the busy check
+refused some.
 Correction: a worker's LoadMetrics report what it really holds (requests from elsewhere, blocks
 freed early, output growth). At each report the difference report - prediction becomes the worker's
 offset, added to the prediction until the next report, so load placed after the report still counts.

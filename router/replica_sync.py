@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -42,6 +42,9 @@ class LoadUpdate(msgspec.Struct, array_like=True, frozen=True):
     # the tokenized request on (migration.Journey.latencies; the planner's observed latencies); 0: not measured
     ttft_s: float = 0.0
     itl_s: float = 0.0  # the mean between its output tokens
+    # "place": the prompt's block hashes where the worker shares them (router.load), so a replica counts a prefix
+    # that requests of both hold on one worker once
+    hashes: tuple[int, ...] = ()
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -70,11 +73,12 @@ class ReplicaSync:
 
     def publish(
         self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0,
-        ttft_s: float = 0.0, itl_s: float = 0.0,
+        ttft_s: float = 0.0, itl_s: float = 0.0, hashes: Sequence[int] = (),
     ) -> None:
         self.expire()
         wire_key = f"{key.role.value}:{key.request_id}"
-        self._send(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks, ttft_s, itl_s))
+        self._send(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks, ttft_s, itl_s,
+                              tuple(hashes)))
 
     def apply(self, data: bytes) -> None:
         try:
@@ -97,7 +101,7 @@ class ReplicaSync:
             return
         if update.kind == "place":
             try:
-                self.tracker.place(key, update.worker_id, update.prefill_tokens, update.blocks)
+                self.tracker.place(key, update.worker_id, update.prefill_tokens, update.blocks, update.hashes)
             except (KeyError, ValueError) as exc:  # a worker this replica has not discovered yet
                 log.debug("load update from %s not applied: %s", update.router_id, exc)
                 return

@@ -377,8 +377,8 @@ class KvRouter:
     def _place(self, key: LoadKey, worker_id: WorkerId, prefill_tokens: int, blocks: int,
                hashes: Sequence[int]) -> None:
         self.load.place(key, worker_id, prefill_tokens, blocks, hashes)
-        if self._sync is not None:  # the request's blocks (the planner's prompt size): replicas count them whole
-            self._sync.publish("place", key, worker_id, prefill_tokens, blocks)
+        if self._sync is not None:
+            self._sync.publish("place", key, worker_id, prefill_tokens, blocks, hashes=hashes)
 
     def _keys(self, request_id: str, pool: Role | str | None) -> list[LoadKey]:
         return [LoadKey(request_id, Role(p)) for p in ((pool,) if pool else Role)]

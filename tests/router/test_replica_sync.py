@@ -79,4 +79,20 @@ async def test_a_remote_placement_whose_finish_was_lost_expires(monkeypatch):
     now[0] += 2
     sync.publish("finish", LoadKey("local", Role.PREFILL))
     assert a.load.load("w0") == ("w0", 0, 0, 0, 100) and sync.expired == 1
-    assert msgpack.decode(encode(sent)) == [["a", "finish", "prefill:local", "", 0, 0, 0.0, 0.0]]  # no latencies
+    assert msgpack.decode(encode(sent)) == [["a", "finish", "prefill:local", "", 0, 0, 0.0, 0.0, []]]  # no latencies
+
+
+async def test_a_prefix_requests_of_both_replicas_share_on_one_worker_counts_once():
+    a, b = replica(), replica()
+    sync_a = ReplicaSync(a.load, "a", send=lambda update: sync_b.apply(encode([update])))
+    sync_b = ReplicaSync(b.load, "b", send=lambda update: sync_a.apply(encode([update])))
+    a.attach_replica_sync(sync_a)
+    b.attach_replica_sync(sync_b)
+    w = a.route("prefill", "r1", PROMPT).worker_id
+    other = {"w0", "w1"} - {w}
+    assert b.route("prefill", "r2", PROMPT, exclude=other).worker_id == w
+    assert [r.load.load(w).blocks for r in (a, b)] == [4, 4]  # the prompt's 4 blocks, held once
+    a.mark_finished("r1")
+    assert [r.load.load(w).blocks for r in (a, b)] == [4, 4]  # r2 still holds them
+    b.mark_finished("r2")
+    assert [r.load.load(w).blocks for r in (a, b)] == [0, 0]
