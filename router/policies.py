@@ -23,15 +23,19 @@ candidates also give the scores, `costs(candidates, request)` (the lowest wins),
   lower tiers hold past it back before the prefill (always: so they count, each at its tier's measured
   fixed cost and rate, router.load.FetchCosts), and it may read further blocks from the peer whose pool
   holds the longest prefix (a pull: the fixed cost of the peer's hold round trip plus bytes over the rate
-  w measured pulling). So w has two plans, and the one with the lower cost stands for w:
+  w measured pulling). So w has two plans, and the one that gives the request its first token sooner (`own`)
+  stands for w, with its whole cost:
       local: covered = overlap_w + lower-tier blocks, fetch = onboard (copy-back) time
       peer:  covered = the peer's overlap,            fetch = onboard + pull time + one step
   with uncached = prompt_tokens - covered * block_size, `own` adding the fetch time and `others` the
   onboard time (copies back run on w's step thread; a pull does not). The step (d0 + d1 * blocks_w): a read
   starts as the scheduler admits the request, and the request joins the batch at the first step after the
   read ends, one step after it would have computed. No threshold: a pull wins only where it is predicted
-  sooner than computing what it brings. FetchCosts a worker has not measured are
-  the fleet's median, else FETCH_PRIOR; a worker that reports no block size fetches nothing.
+  sooner than computing what it brings, for the request itself. Not by the whole cost: `others` prices each
+  token computed at p, which a small chunk beside a decode batch does not cost them (on a GPU it rides the
+  memory-bound step), and weighed in the plan's choice that had requests read the last 8 blocks of prompts seen
+  before, a step later than computing them (kv_tiers, where the prefixes fit). FetchCosts a worker has not
+  measured are the fleet's median, else FETCH_PRIOR; a worker that reports no block size fetches nothing.
 - KvAwarePolicy: Dynamo's cost. For worker w,
       prefill_blocks = (prefill_tokens_w + prompt_tokens - overlap_w * block_size) / block_size
       decode_blocks  = blocks_w + request_blocks          (active blocks including this request)
@@ -193,8 +197,10 @@ class TimePolicy:
         return [local, FetchPlan("peer", peer_blocks, local.fetch_s + pull_s, local.onboard_s, c.peer)]
 
     @staticmethod
-    def cost(c: Candidate, k: StepCosts, request: RouteRequest, plan: FetchPlan | None = None) -> float:
-        """Predicted seconds of the request on `c`, its prefix from `plan` (None: the overlap alone)."""
+    def split_cost(c: Candidate, k: StepCosts, request: RouteRequest,
+                   plan: FetchPlan | None = None) -> tuple[float, float]:
+        """Predicted seconds of the request on `c`, its prefix from `plan` (None: the overlap alone): its own,
+        and what it adds to the others'."""
         load, blocks = c.load, request.request_blocks
         covered, fetch_s, onboard_s = (c.overlap_blocks, 0.0, 0.0) if plan is None else plan[1:4]
         uncached = max(0, request.prompt_tokens - covered * request.block_size) if request.prefill else 0
@@ -204,14 +210,23 @@ class TimePolicy:
             own += k.decode_s + k.decode_s_per_block * load.blocks
         others = load.requests * (k.prefill_s_per_token * uncached + onboard_s
                                   + k.output_tokens * k.decode_s_per_block * blocks)
-        return own + others
+        return own, others
+
+    @classmethod
+    def cost(cls, c: Candidate, k: StepCosts, request: RouteRequest, plan: FetchPlan | None = None) -> float:
+        return sum(cls.split_cost(c, k, request, plan))
+
+    @classmethod
+    def best_plan(cls, c: Candidate, k: StepCosts, f: FetchCosts, request: RouteRequest) -> tuple[float, FetchPlan]:
+        """The prefix source that gives `c`'s request its first token soonest, and its whole cost."""
+        (own, others), plan = min(((cls.split_cost(c, k, request, plan), plan) for plan in cls.plans(c, f, request)),
+                                  key=lambda scored: (scored[0][0], sum(scored[0])))
+        return own + others, plan
 
     def scored(self, candidates: list[Candidate], request: RouteRequest) -> list[tuple[float, FetchPlan]]:
-        """Each candidate's least predicted seconds and the prefix source that gives them."""
+        """Each candidate's predicted seconds and the prefix source that gives them."""
         k = self.pool_costs(candidates)
-        return [min(((self.cost(c, k, request, plan), plan) for plan in self.plans(c, f, request)),
-                    key=lambda scored: scored[0])
-                for c, f in zip(candidates, self.fleet_fetch(candidates))]
+        return [self.best_plan(c, k, f, request) for c, f in zip(candidates, self.fleet_fetch(candidates))]
 
     def choose_plan(self, candidates: list[Candidate], request: RouteRequest) -> tuple[Candidate, FetchPlan]:
         """The candidate with the least predicted seconds, and its prefix source."""

@@ -337,8 +337,7 @@ class KvRouter:
         c = self._candidate(w, {w: decision.overlap_blocks}, hashes, [(peer_blocks, peer)])
         request = RouteRequest(len(token_ids), self.block_size)
         if isinstance(self.policy, TimePolicy):
-            k, f = TimePolicy.pool_costs([c]), TimePolicy.fleet_fetch([c])[0]
-            plan = min(TimePolicy.plans(c, f, request), key=lambda plan: TimePolicy.cost(c, k, request, plan))
+            _, plan = TimePolicy.best_plan(c, TimePolicy.pool_costs([c]), TimePolicy.fleet_fetch([c])[0], request)
         else:
             whole = (len(token_ids) - 1) // self.block_size
             plan = FetchPlan("peer", min(peer_blocks, whole), peer=peer)

@@ -67,6 +67,14 @@ def test_a_pull_is_planned_exactly_where_it_is_predicted_sooner_than_computing_w
     suffix = candidate(overlap=4, peer="holder", peer_blocks=5)
     assert TimePolicy(seed=0).choose_plan([suffix], RouteRequest(prompt_tokens=5 * BS + 1, block_size=BS))[1] \
         == FetchPlan("device", 4)
+    # nor where it only spares the worker's other requests the chunk: priced at p a token they would wait 17 ms
+    # each for it, but a small chunk beside their decode costs them far less; that weighs the worker, not the plan
+    busy = suffix._replace(load=suffix.load._replace(requests=2))
+    assert TimePolicy(seed=0).choose_plan([busy], RouteRequest(prompt_tokens=5 * BS + 1, block_size=BS))[1] \
+        == FetchPlan("device", 4)
+    # and a read sooner for the request is planned whatever runs there
+    c = candidate(peer="holder", peer_blocks=64, requests=2)
+    assert TimePolicy(seed=0).choose_plan([c], request)[1].source == "peer"
     # never the prompt's last token: the engine computes at least one
     c = candidate(peer="holder", peer_blocks=65)
     assert TimePolicy.plans(c, FETCH, RouteRequest(prompt_tokens=65 * BS, block_size=BS))[1].covered_blocks == 64
