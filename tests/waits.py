@@ -22,3 +22,18 @@ async def until(predicate: Callable[[], Any], what: str = "the condition", timeo
             return
         assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
         await asyncio.sleep(poll_s)
+
+
+def wait(predicate: Callable[[], Any], what: str = "the condition", timeout_s: float = 20.0,
+         poll_s: float = 0.1) -> None:
+    """`until` for a test outside an event loop (one watching servers it started): an OSError counts as not
+    yet (the server is not listening yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
+        time.sleep(poll_s)

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,20 +18,9 @@ import pytest
 
 from dynamo_pd.runtime.ports import free_port
 from tests.deploy.scrape import get, scrape, value
+from tests.waits import wait
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if condition():
-                return
-        except OSError:  # not listening yet
-            pass
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
-        time.sleep(0.1)
 
 
 def spawn(logs: Path, name: str, *args: str) -> subprocess.Popen:
@@ -74,9 +62,9 @@ def test_ready_follows_the_registration_and_the_drain(tmp_path):
                    "--discovery", discovery, "--metrics-port", str(metrics_port), "--drain-timeout-s", "120")
     frontend = None
     try:
-        wait_for(lambda: get(f"{endpoint}/health")[0] == 200, 300, "the worker's /health")
-        wait_for(lambda: value(scrape(f"{endpoint}/metrics"), "dynamo_pd_worker_kv_blocks_total", worker="agg-0"),
-                 300, "the engine started (its KV blocks rendered)")
+        wait(lambda: get(f"{endpoint}/health")[0] == 200, "the worker's /health", 300)
+        wait(lambda: value(scrape(f"{endpoint}/metrics"), "dynamo_pd_worker_kv_blocks_total", worker="agg-0"),
+             "the engine started (its KV blocks rendered)", 300)
         # No discovery listens yet: the engine runs, but the worker cannot have registered.
         status, body = get(f"{endpoint}/ready")
         assert (status, json.loads(body)) == (503, {"status": "not ready", "workers": {"agg-0": "not ready"}})
@@ -87,10 +75,10 @@ def test_ready_follows_the_registration_and_the_drain(tmp_path):
 
         frontend = spawn(tmp_path, "frontend", "dynamo_pd.frontend", "--port", str(http_port), "--discovery",
                          discovery)
-        wait_for(lambda: get(f"{endpoint}/ready")[0] == 200, 300, "the worker's /ready after it registered")
+        wait(lambda: get(f"{endpoint}/ready")[0] == 200, "the worker's /ready after it registered", 300)
         assert json.loads(get(f"{endpoint}/ready")[1]) == {"status": "ready", "workers": {"agg-0": "ready"}}
         assert value(scrape(f"{endpoint}/metrics"), "dynamo_pd_worker_ready", worker="agg-0") == 1
-        wait_for(lambda: get(f"http://127.0.0.1:{http_port}/ready")[0] == 200, 120, "the frontend's /ready")
+        wait(lambda: get(f"http://127.0.0.1:{http_port}/ready")[0] == 200, "the frontend's /ready", 120)
 
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 6000, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60) as reply:
@@ -99,7 +87,7 @@ def test_ready_follows_the_registration_and_the_drain(tmp_path):
             lines = reply.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))  # it is generating
             worker.send_signal(signal.SIGTERM)
-            wait_for(lambda: get(f"{endpoint}/ready")[0] == 503, 30, "/ready 503 once the drain started")
+            wait(lambda: get(f"{endpoint}/ready")[0] == 503, "/ready 503 once the drain started", 30)
             assert worker.poll() is None, "the worker exited instead of draining the request in flight"
             assert value(scrape(f"{endpoint}/metrics"), "dynamo_pd_worker_ready", worker="agg-0") == 0
         # The client left: its request ends, the drain with it, and the worker exits cleanly.

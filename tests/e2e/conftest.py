@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import uuid
 import urllib.request
@@ -24,6 +23,7 @@ import pytest
 
 from dynamo_pd.runtime.ports import free_port
 from dynamo_pd.serve import parse_args, plan, stop_children, worker_count
+from tests.waits import wait
 
 MODEL = "SmolLM2-135M-Instruct"
 T = TypeVar("T")
@@ -72,15 +72,7 @@ class Deployment:
         return value
 
     def wait_for(self, predicate, timeout_s: float = 20.0, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if predicate():
-                    return
-            except OSError:  # the frontend is not listening yet
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{what} not reached within {timeout_s}s; logs in {self.logs}")
+        wait(predicate, f"{what} (logs in {self.logs})", timeout_s)
 
     def spawn(self, name: str, command: list[str]) -> None:
         """Start one process of this deployment, its output in logs/<name>.log."""
