@@ -71,10 +71,18 @@ class ReplicaSync:
         self._send = send
         self._remote: OrderedDict[LoadKey, float] = OrderedDict()  # remote placement key -> expiry, oldest first
 
+    @property
+    def has_peers(self) -> bool:
+        """Whether another replica reads the updates (a transport that knows overrides it): none are made
+        while none does."""
+        return True
+
     def publish(
         self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0,
         ttft_s: float = 0.0, itl_s: float = 0.0, hashes: Sequence[int] = (),
     ) -> None:
+        if not self.has_peers:
+            return
         self.expire()
         wire_key = f"{key.role.value}:{key.request_id}"
         self._send(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks, ttft_s, itl_s,

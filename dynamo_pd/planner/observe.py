@@ -10,7 +10,8 @@
   <namespace>.load             each worker's LoadMetrics every report interval: prefill tokens queued,
                                requests running, and the step costs it measured (router.load.StepCosts)
 Subscribing is what the frontend does, so the planner sees exactly the load its routers act on, from
-every frontend at once, with no endpoint to configure. Costs are each pool's median over the workers
+every frontend at once, with no endpoint to configure; it says hello there as a frontend does, since a
+frontend publishes only while a reader is there. Costs are each pool's median over the workers
 that measured them, kept when those workers leave.
 """
 
@@ -21,12 +22,14 @@ import contextlib
 import logging
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from dynamo_pd.frontend.membership import Membership
+from dynamo_pd.frontend.replicas import hello_subject, say_hello
 from dynamo_pd.frontend.resubscribe import follow_subject
 from dynamo_pd.planner.predict import Arrival
 from dynamo_pd.protocol import LoadMetrics, WorkerInfo
@@ -70,6 +73,8 @@ class Observer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._events, self._clock = events, clock
         self._subjects = (f"{namespace}.load", f"{namespace}.router.load")
+        # frontends publish their placements only while a reader says it is there (frontend.replicas)
+        self._hello = hello_subject(namespace, f"planner-{uuid.uuid4().hex[:8]}")
         self.membership = Membership(discovery, self._joined, self._left)
         self._reports: dict[str, LoadMetrics] = {}
         self._arrivals: dict[str, list[Arrival]] = {}
@@ -83,6 +88,7 @@ class Observer:
         for subject, handle in zip(self._subjects, (self._on_load, self._on_update)):
             live = await self._events.subscribe(subject)  # before start returns
             self._tasks.append(asyncio.create_task(follow_subject(self._events, subject, handle, live)))
+        self._tasks.append(asyncio.create_task(say_hello(self._events, self._hello)))
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)

@@ -45,3 +45,36 @@ async def test_the_updates_of_one_turn_of_the_loop_are_one_message(new_plane):
     finally:
         for sync in (sync_a, sync_b):
             await sync.stop()
+
+
+async def test_a_lone_frontend_publishes_no_updates_until_another_says_hello(new_plane):
+    """Serve's default is one frontend: its updates had no reader but itself (~4% of its CPU, issue 34)."""
+    lone_plane = await new_plane()
+    published: list[str] = []
+    publish = lone_plane.publish
+
+    async def recording(subject: str, payload: bytes) -> None:
+        published.append(subject)
+        await publish(subject, payload)
+
+    lone_plane.publish = recording
+    lone = EventPlaneReplicaSync(replica().load, lone_plane, "ns", hello_s=0.1)
+    await lone.start()
+    other = None
+    try:
+        await until(lambda: len(published) >= 3)  # hellos, and time for an update to have gone out
+        for i in range(3):
+            lone.publish("finish", LoadKey(f"alone{i}", Role.PREFILL))
+        await until(lambda: len(published) >= 6)
+        assert not lone.has_peers
+        assert set(published) == {f"ns.router.load.hello.{lone.router_id}"}
+
+        other = EventPlaneReplicaSync(replica().load, await new_plane(), "ns", hello_s=0.1)
+        await other.start()
+        await until(lambda: lone.has_peers)
+        await linked(lone, other)  # now its updates go out, and reach the other
+        assert "ns.router.load" in published
+    finally:
+        for sync in (lone, other):
+            if sync is not None:
+                await sync.stop()

@@ -11,6 +11,7 @@ import pytest
 from kubernetes.aio import client
 from prometheus_client import generate_latest
 
+from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from dynamo_pd.planner.config import DISAGGREGATED, PlannerConfig
 from dynamo_pd.planner.connectors.kubernetes import KubernetesConnector
 from dynamo_pd.planner.loop import Planner
@@ -290,3 +291,23 @@ async def test_waits_for_step_costs(stage, api):
     finally:
         await connector.close()
         await observer.close()
+
+
+async def test_a_frontend_publishes_its_placements_to_the_planner_alone(stage):
+    """A frontend publishes placements only while another reader says hello (frontend.replicas): with no
+    other frontend, the planner's hello is what makes its router's placements reach it."""
+    sync = EventPlaneReplicaSync(LoadTracker(), (await stage())[1], NS)
+    observer = Observer(*await stage(), namespace=NS)
+    await sync.start()
+    await observer.start()
+    try:
+        await until(lambda: sync.has_peers, "the planner's hello")
+        deadline, probe = time.monotonic() + 20, 0
+        while not observer._arrivals:  # ZMQ's subscriptions connect shortly after subscribing: place again
+            assert time.monotonic() < deadline, "the router's placements not seen within 20 s"
+            sync.publish("place", LoadKey(f"r{probe}", Role.PREFILL), "prefill-0", 3000, 188)
+            probe += 1
+            await asyncio.sleep(0.05)
+    finally:
+        await observer.close()
+        await sync.stop()
