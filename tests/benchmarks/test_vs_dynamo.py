@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.vs_dynamo import cpu_seconds, dynamo_model_dir, dynamo_tables, one_timing, our_frontends, parse_args
+from benchmarks.vs_dynamo import (busiest_thread, cpu_seconds, dynamo_model_dir, dynamo_tables, one_timing,
+                                  our_frontends, parse_args, thread_seconds)
 from dynamo_pd.engines.mocker.profile import Profile, h100_llama8b
 from dynamo_pd.model_store import resolve_model
 
@@ -104,3 +105,23 @@ def test_quick_takes_one_round_of_fewer_requests():
     quick, full = parse_args(["--quick"]), parse_args([])
     assert (quick.rounds, quick.requests) == (1, 400) and (full.rounds, full.requests) == (3, 1200)
     assert full.speedup == 1.0  # the session's times are real ones: the mockers' clocks are theirs
+
+
+def test_the_busiest_thread_is_the_one_that_burned():
+    spin = subprocess.Popen([sys.executable, "-c", "import sys, threading, time\ndef burn():\n"
+                             "    end = time.thread_time() + 0.5\n    while time.thread_time() < end: pass\n"
+                             "sys.stdin.readline()\nthreading.Thread(target=burn).start()\nsys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        before = thread_seconds([spin.pid])
+        spin.stdin.write(b"go\n")
+        spin.stdin.flush()
+        deadline = time.monotonic() + 30
+        while busiest_thread(before, thread_seconds([spin.pid])) < 0.45 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = thread_seconds([spin.pid])
+        assert 0.45 <= busiest_thread(before, after) <= cpu_seconds([spin.pid]) < 5
+        assert sorted(after[t] - before.get(t, 0.0) for t in after)[-2] < 0.3  # the main thread only waited
+        assert busiest_thread({}, {}) == 0.0
+    finally:
+        spin.communicate(b"")
