@@ -81,9 +81,9 @@ class ReplicaSync:
         self, kind: str, key: LoadKey, worker_id: WorkerId = "", prefill_tokens: int = 0, blocks: int = 0,
         ttft_s: float = 0.0, itl_s: float = 0.0, hashes: Sequence[int] = (),
     ) -> None:
+        self.expire()  # a replica that died placed its last requests here: they go too, peers or not
         if not self.has_peers:
             return
-        self.expire()
         wire_key = f"{key.role.value}:{key.request_id}"
         self._send(LoadUpdate(self.router_id, kind, wire_key, worker_id, prefill_tokens, blocks, ttft_s, itl_s,
                               tuple(hashes)))

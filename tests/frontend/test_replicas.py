@@ -4,7 +4,7 @@ from dynamo_pd.frontend.replicas import EventPlaneReplicaSync
 from router.load import LoadKey
 from router.replica_sync import decode
 from router.worker import Role
-from tests.router.test_replica_sync import check_shared_load, linked, replica
+from tests.router.test_replica_sync import PROMPT, check_shared_load, linked, replica
 from tests.waits import until
 
 
@@ -78,3 +78,29 @@ async def test_a_lone_frontend_publishes_no_updates_until_another_says_hello(new
         for sync in (lone, other):
             if sync is not None:
                 await sync.stop()
+
+
+async def test_a_gone_peers_placements_expire_once_no_reader_is_left(new_plane):
+    """The replica that placed them died before their finish: a frontend left alone still drops them in time."""
+    a, b = replica(), replica()
+    sync_a = EventPlaneReplicaSync(a.load, await new_plane(), "ns", hello_s=0.1)
+    sync_b = EventPlaneReplicaSync(b.load, await new_plane(), "ns", hello_s=0.1)
+    for sync, router in ((sync_a, a), (sync_b, b)):
+        await sync.start()
+        router.attach_replica_sync(sync)
+    stopped = False
+    try:
+        await linked(sync_a, sync_b)
+        sync_b.placement_ttl_s = 0.5
+        first = a.route("prefill", "r1", PROMPT)
+        await until(lambda: b.load.load(first.worker_id).requests == 1)
+        await sync_a.stop()  # a dies: no finish, no more hellos
+        stopped = True
+        await until(lambda: not sync_b.has_peers, timeout_s=10)
+        b.route("prefill", "r2", PROMPT)  # b's own work goes on, alone
+        assert sync_b.expired == 1
+        assert sum(b.load.load(w).requests for w in ("w0", "w1")) == 1  # b's own request only
+    finally:
+        if not stopped:
+            await sync_a.stop()
+        await sync_b.stop()
