@@ -213,10 +213,6 @@ class TimePolicy:
         return own, others
 
     @classmethod
-    def cost(cls, c: Candidate, k: StepCosts, request: RouteRequest, plan: FetchPlan | None = None) -> float:
-        return sum(cls.split_cost(c, k, request, plan))
-
-    @classmethod
     def best_plan(cls, c: Candidate, k: StepCosts, f: FetchCosts, request: RouteRequest) -> tuple[float, FetchPlan]:
         """The prefix source that gives `c`'s request its first token soonest, and its whole cost."""
         (own, others), plan = min(((cls.split_cost(c, k, request, plan), plan) for plan in cls.plans(c, f, request)),

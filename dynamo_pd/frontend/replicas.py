@@ -53,7 +53,7 @@ class EventPlaneReplicaSync(ReplicaSync):
         self._events = events
         self.subject = f"{namespace}.router.load"
         self._hello = hello_subject(namespace, self.router_id)
-        self._hellos = self._hello[:-len(self.router_id)]  # every reader's hello subject starts so
+        self._hellos = hello_subject(namespace, "")  # how every reader's hello subject starts
         self._hello_s = hello_s
         self._peer_until = 0.0  # monotonic time until which another reader counts as there
         self._tasks: set[asyncio.Task] = set()  # the follower, the hellos and sends in flight, referenced until done

@@ -37,10 +37,10 @@ def test_lower_tier_blocks_extend_the_prefix_at_their_tiers_measured_rates():
     request = RouteRequest(prompt_tokens=20 * BS, block_size=BS)
     k = STEPS
     own = k.prefill_s_per_token * 10 * BS + plan.fetch_s + 4 * (0.01 + 1e-4 * 20)
-    assert TimePolicy.cost(c, k, request, plan) == pytest.approx(own)
+    assert sum(TimePolicy.split_cost(c, k, request, plan)) == pytest.approx(own)
     busy = c._replace(load=WorkerLoad("w", 0, 0, 3, 10_000))  # a copy back holds up the requests there too
     others = 3 * (k.prefill_s_per_token * 10 * BS + plan.onboard_s + 4 * 1e-4 * 20)
-    assert TimePolicy.cost(busy, k, request, plan) == pytest.approx(own + others)
+    assert sum(TimePolicy.split_cost(busy, k, request, plan)) == pytest.approx(own + others)
     assert local_plan(candidate(overlap=2)) == FetchPlan("device", 2)
 
 

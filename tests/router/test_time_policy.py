@@ -31,10 +31,10 @@ def test_the_cost_is_the_documented_formula():
     request = RouteRequest(prompt_tokens=100, block_size=10)  # 10 blocks, 70 tokens uncached
     own = 0.01 * (50 + 70) + 4 * (0.1 + 0.002 * (7 + 10))  # 1.2 + 0.536
     others = 2 * (0.01 * 70 + 4 * 0.002 * 10)  # 2 * 0.78
-    assert TimePolicy.cost(c, k, request) == pytest.approx(own + others) == pytest.approx(3.296)
+    assert sum(TimePolicy.split_cost(c, k, request)) == pytest.approx(own + others) == pytest.approx(3.296)
     # a decode worker fed by a KV transfer prefills nothing of it
     remote = RouteRequest(prompt_tokens=100, block_size=10, prefill=False)
-    assert TimePolicy.cost(c, k, remote) == pytest.approx(0.01 * 50 + 0.536 + 2 * 0.08)
+    assert sum(TimePolicy.split_cost(c, k, remote)) == pytest.approx(0.01 * 50 + 0.536 + 2 * 0.08)
 
 
 def test_every_candidate_is_costed_with_the_pools_median_figures_else_the_prior():
@@ -52,7 +52,7 @@ def test_the_worker_with_the_prefix_wins_whatever_each_happened_to_measure():
     holder = candidate(23, costs=StepCosts(9e-5, 13.2e-3, 1e-5, 64.0), name="w0")
     idle = candidate(0, costs=StepCosts(1.5e-5, 13.2e-3, 1e-5, 32.0), name="w1")
     assert TimePolicy().choose([holder, idle], request).worker_id == "w0"
-    own = [TimePolicy.cost(c, c.costs, request) for c in (holder, idle)]
+    own = [sum(TimePolicy.split_cost(c, c.costs, request)) for c in (holder, idle)]
     assert own[1] < own[0] - 0.3  # what each worker's own figures said
 
 
@@ -66,8 +66,8 @@ def test_the_busier_worker_keeps_its_prefix_while_prefill_costs_more_than_decode
     assert KvAwarePolicy().choose([busy, idle], request).worker_id == "w1"
     # time: w0 0.096 + 8 * (0.05 + 6e-5 * 99) + 2 * (0.096 + 8 * 6e-5 * 33) = 0.767 s
     #       w1 1.056 + 8 * (0.05 + 6e-5 * 33) = 1.472 s
-    assert TimePolicy.cost(busy, cpu, request) == pytest.approx(0.7672, abs=1e-4)
-    assert TimePolicy.cost(idle, cpu, request) == pytest.approx(1.4718, abs=1e-4)
+    assert sum(TimePolicy.split_cost(busy, cpu, request)) == pytest.approx(0.7672, abs=1e-4)
+    assert sum(TimePolicy.split_cost(idle, cpu, request)) == pytest.approx(1.4718, abs=1e-4)
     assert TimePolicy().choose([busy, idle], request).worker_id == "w0"
     # where long outputs make decode the dear part (64 tokens, 5 ms per block and step) it moves
     heavy = cpu._replace(decode_s_per_block=5e-3, output_tokens=64)
