@@ -204,7 +204,7 @@ def _weigh(offset: float | None, error: float) -> float | None:
 def _observed_load(seen: PoolObservation, planned: Load) -> Load:
     """The load the interval that ended had: its own arrivals (planned's lengths where it had none)."""
     if not seen.arrivals:
-        return dataclasses.replace(planned, rate=0.0)
+        return dataclasses.replace(planned, rate=0.0, slope=0.0)
     tokens = tuple(a.prefill_tokens for a in seen.arrivals)
-    return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, prompt_tokens=tokens,
+    return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, slope=0.0, prompt_tokens=tokens,
                                prompt_blocks=sum(a.blocks for a in seen.arrivals) / len(tokens))

@@ -1,22 +1,23 @@
-"""The pool model against what it stands for: queueing figures known in closed form, a simulated
-M/G/n queue with the router's least-work placement, and the decode fixed point it solves."""
+"""The pool model against what it stands for: queueing figures known in closed form, chunked prefill
+steps simulated apart from the model with the router's least-work placement, and the decode fixed point
+it solves."""
 
-import heapq
 import math
 import random
+from collections import deque
 
 import pytest
 
-from dynamo_pd.planner.model import Costs, Limits, Load, PoolModel, State, backlog_wait, erlang_c
+from dynamo_pd.planner.model import Costs, Limits, Load, PoolModel, State
 
 LIMITS = Limits(max_num_seqs=64, kv_blocks=20_000, block_size=16, chunk_tokens=2048)
 PER_TOKEN = 25e-6  # s: a 3000-token prompt in 75 ms, the mocker's 8B model on an H100
 
 
-def prefill_model(rate: float, prompts: tuple[int, ...], queued: int = 0, horizon_s: float = 10.0
-                  ) -> PoolModel:
-    load = Load(rate=rate, prompt_tokens=prompts)
-    return PoolModel(Costs(PER_TOKEN), load, State(queued_prefill_tokens=queued), LIMITS, prefills=True,
+def prefill_model(rate: float, prompts: tuple[int, ...], queued: int = 0, horizon_s: float = 10.0,
+                  slope: float = 0.0, limits: Limits = LIMITS) -> PoolModel:
+    load = Load(rate=rate, prompt_tokens=prompts, slope=slope)
+    return PoolModel(Costs(PER_TOKEN), load, State(queued_prefill_tokens=queued), limits, prefills=True,
                      decodes=False, horizon_s=horizon_s, attainment=0.9)
 
 
@@ -28,62 +29,95 @@ def decode_model(rate: float, output_tokens: float = 150, running: int = 0, cost
                      prefills=False, decodes=True, horizon_s=10.0, attainment=0.95)
 
 
-def test_erlang_c_closed_forms():
-    assert erlang_c(1, 0.7) == pytest.approx(0.7)  # M/M/1: a request waits with probability rho
-    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # (a^n/n! * n/(n-a)) / (1 + a + that)
-    assert erlang_c(10, 0.01) < 1e-12 and erlang_c(10, 9.99) > 0.99
-
-
-def test_backlog_wait():
-    assert backlog_wait(0.0, 0.5, 10.0) == 0.0
-    # 1 s of work draining at 0.5 s/s is gone after 2 s of a 10 s horizon: mean 1 * 2 / 2 / 10
-    assert backlog_wait(1.0, 0.5, 10.0) == pytest.approx(0.1)
-    assert backlog_wait(10.0, 0.5, 10.0) == pytest.approx(7.5)  # still 5 s queued at the horizon
-    assert backlog_wait(1.0, 1.2, 10.0) == pytest.approx(2.0)  # growing by 0.2 s/s: 1 -> 3
-
-
 def test_idle_pool_ttft_is_the_prefill():
     model = prefill_model(0.0, (3000,))
     assert model.ttft_p50(1) == pytest.approx(3000 * PER_TOKEN, rel=1e-3)
     assert model.ttft_attainment(1, 0.074) == 0.0 and model.ttft_attainment(1, 0.076) == 1.0
 
 
-def test_queued_prefill_adds_to_the_wait():
+def test_queued_prefill_is_computed_first():
+    # nothing else arriving: 6000 queued tokens, then the prompt's 3000, in steps of 2048 tokens
+    assert prefill_model(0.0, (3000,), queued=6000).ttft_p50(1) == pytest.approx(9000 * PER_TOKEN)
+    assert prefill_model(0.0, (3000,), queued=6000).ttft_p50(2) == pytest.approx(6000 * PER_TOKEN)
     quiet, queued = prefill_model(2.0, (3000,)), prefill_model(2.0, (3000,), queued=60_000)
-    # 1.5 s of queued work on one worker drains at 1 - rho = 0.85 s/s: 1.5^2 / (2 * 0.85 * 10) on average
-    assert queued.ttft_p50(1) - quiet.ttft_p50(1) == pytest.approx(1.5 ** 2 / (2 * 0.85 * 10), rel=0.05)
-    assert queued.ttft_p50(2) < queued.ttft_p50(1)  # a second worker halves the backlog each holds
+    assert queued.ttft_attainment(1, 0.2) < quiet.ttft_attainment(1, 0.2) - 0.1  # 1.5 s of it: the first wait
+    assert queued.ttft_attainment(2, 0.2) > queued.ttft_attainment(1, 0.2)
 
 
-def simulate(rate: float, prompts: list[int], workers: int, n: int = 40_000, seed: int = 1) -> list[float]:
+def test_one_prompt_a_step_is_m_d_1():
+    # a step of exactly one prompt: the first come is served first, whole (M/D/1): P(wait) = rho, and the
+    # mean wait rho * S / (2 * (1 - rho)) (Pollaczek-Khinchine)
+    model = prefill_model(8.0, (3000,), horizon_s=500.0, limits=Limits(64, 20_000, 16, chunk_tokens=3000))
+    service, rho = 3000 * PER_TOKEN, 8.0 * 3000 * PER_TOKEN
+    assert model.ttft_attainment(1, service * 1.001) == pytest.approx(1 - rho, abs=0.03)
+    ttfts = model._ttfts(1)
+    assert sum(ttfts) / len(ttfts) - service == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.15)
+
+
+def simulate(rate: float, prompts: list[int], workers: int, chunk: int, n: int = 20_000, seed: int = 1
+             ) -> list[float]:
     """TTFTs of Poisson arrivals, each prompt placed on the worker whose queued work ends first (the
-    router's `time` policy), served in order: an M/G/n queue."""
+    router's `time` policy); then each worker's queue run on its own, chunk tokens a step in order, a
+    prompt's first token at the end of the step computing its last token."""
     rng = random.Random(seed)
-    free = [0.0] * workers  # when each worker's queue empties
-    heapq.heapify(free)
-    t, ttfts = 0.0, []
+    done_at, queues, t = [0.0] * workers, [[] for _ in range(workers)], 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
-        service = rng.choice(prompts) * PER_TOKEN
-        start = max(t, heapq.heappop(free))
-        heapq.heappush(free, start + service)
-        ttfts.append(start + service - t)
-    return ttfts[n // 10:]  # past the warm-up
+        tokens = rng.choice(prompts)
+        w = min(range(workers), key=done_at.__getitem__)
+        done_at[w] = max(done_at[w], t) + tokens * PER_TOKEN
+        queues[w].append((t, tokens))
+    ttfts = []
+    for arrivals in queues:
+        arrivals, queue, clock = deque(arrivals), deque(), 0.0
+        while arrivals or queue:
+            if not queue:
+                clock = max(clock, arrivals[0][0])
+            while arrivals and arrivals[0][0] <= clock:
+                arrived, tokens = arrivals.popleft()
+                queue.append([tokens, arrived])
+            budget, finished = chunk, 0
+            for request in queue:
+                take = min(budget, request[0])
+                request[0], budget = request[0] - take, budget - take
+                finished += request[0] == 0
+                if not budget:
+                    break
+            clock += (chunk - budget) * PER_TOKEN
+            for _ in range(finished):
+                ttfts.append(clock - queue.popleft()[1])
+    return ttfts
 
 
 @pytest.mark.parametrize("rate, prompts, workers", [
-    (10.0, [3000], 1),  # rho 0.75, deterministic service
+    (6.0, [3000], 1),  # rho 0.45: a prompt arriving while one is computed delays its last step
+    (10.0, [3000], 1),  # rho 0.75
     (22.0, [3000], 2),  # rho 0.83 over 2
     (40.0, [1000, 2000, 3000, 6000], 4),  # rho 0.75, varied prompts
 ])
-def test_ttft_matches_a_simulated_queue(rate, prompts, workers):
-    measured = sorted(simulate(rate, prompts, workers))
-    model = prefill_model(rate, tuple(prompts))
+def test_ttft_matches_simulated_chunked_steps(rate, prompts, workers):
+    measured = sorted(simulate(rate, prompts, workers, LIMITS.chunk_tokens))
+    model = prefill_model(rate, tuple(prompts), horizon_s=200.0)
     p50 = measured[len(measured) // 2]
-    assert model.ttft_p50(workers) == pytest.approx(p50, rel=0.25)
+    assert model.ttft_p50(workers) == pytest.approx(p50, rel=0.1)
     for slo in (p50, measured[int(len(measured) * 0.9)]):
         share = sum(x <= slo for x in measured) / len(measured)
-        assert model.ttft_attainment(workers, slo) == pytest.approx(share, abs=0.08)
+        assert model.ttft_attainment(workers, slo) == pytest.approx(share, abs=0.05)
+
+
+def test_chunking_delays_more_than_rho_of_the_requests():
+    # one worker at rho 0.45: first come, first served whole, under half would wait (the median none); in
+    # steps of 2048 tokens the next prompt shares the step that ends the one before it
+    model = prefill_model(6.0, (3000,))
+    assert model.ttft_p50(1) > 3000 * PER_TOKEN * 1.2
+
+
+def test_a_falling_rate_weighs_its_dense_start():
+    falling = prefill_model(10.0, (3000,), horizon_s=5.0, slope=-1.6)  # 10 -> 2 req/s: 6 on average
+    flat = prefill_model(6.0, (3000,), horizon_s=5.0)
+    assert falling.ttft_p50(1) > flat.ttft_p50(1)
+    assert falling.ttft_attainment(1, 0.25) < flat.ttft_attainment(1, 0.25)
+    assert falling.ttft_p50(2) < falling.ttft_p50(1)
 
 
 def test_past_capacity_nothing_is_within_the_slo():
