@@ -1,0 +1,98 @@
+"""benchmarks/planner_dynamo.py's own arithmetic (which trace rows, how a Dynamo replay record becomes our
+TTFT/ITL, attainment, goodput, peak and average) on tiny inputs; Dynamo's replay itself only where
+.venv-dynamo exists (not in CI)."""
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import planner_dynamo as pd
+from benchmarks import router_policies
+
+
+def test_the_trace_rules_are_router_policies_own():
+    assert pd.CONTEXT_TOKENS == router_policies.CONTEXT_TOKENS
+    assert pd.TRACE_BLOCK_TOKENS == router_policies.TRACE_BLOCK_TOKENS
+    assert pd.TRACE == router_policies.TRACE
+
+
+def test_trace_rows_keep_the_first_that_fit_at_their_own_timestamps(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 8000, "output_length": 100, "hash_ids": [1]},  # fits 8192 - 64
+            {"timestamp": 5, "input_length": 8100, "output_length": 100, "hash_ids": [2]},  # too long
+            {"timestamp": 9, "input_length": 100, "output_length": 0, "hash_ids": [3]},
+            {"timestamp": 12, "input_length": 200, "output_length": 7, "hash_ids": [4]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = pd.trace_rows(path, 2)
+    assert [r["timestamp"] for r in kept] == [0, 9]  # simulated ms, not divided by any speedup
+    assert kept[1]["output_length"] == 1  # router_policies' max(1, ...)
+    assert len(pd.trace_rows(path, None)) == 3
+    with pytest.raises(SystemExit):
+        pd.trace_rows(path, 4)
+
+
+def test_the_real_trace_gives_100_rows_as_our_benchmark_replays():
+    rows = pd.trace_rows(pd.TRACE, pd.TRACE_REQUESTS)
+    assert len(rows) == 100
+    assert all(r["input_length"] + r["output_length"] <= pd.CONTEXT_TOKENS - pd.TEMPLATE_TOKENS for r in rows)
+
+
+def test_a_record_becomes_ttft_and_aiperfs_per_request_itl():
+    record = {"arrival_time_ms": 1000.0, "first_token_ms": 1200.0, "last_token_ms": 1240.0, "output_length": 5,
+              "requested_output_length": 5}
+    o = pd.outcome(record)
+    assert o.ttft_ms == pytest.approx(200.0) and o.itl_ms == pytest.approx(10.0) and o.end_ms == 1240.0
+    single = pd.outcome({**record, "last_token_ms": 1200.0, "output_length": 1, "requested_output_length": 1})
+    assert single.itl_ms is None and not pd.is_good(single, pd.Slo(1e9, 1e9))  # no ITL: not good
+    unfinished = pd.outcome({**record, "last_token_ms": None, "output_length": 2})
+    assert unfinished.end_ms is None
+
+
+def test_attainment_goodput_and_worker_seconds():
+    slo = pd.Slo(250.0, 8.0)
+    outcomes = [pd.Outcome(0.0, 2000.0, 100.0, 7.0),  # good
+                pd.Outcome(500.0, 3000.0, 300.0, 7.0),  # TTFT over
+                pd.Outcome(1000.0, 4000.0, 100.0, 9.0),  # ITL over
+                pd.Outcome(1500.0, None, None, None)]  # failed
+    run = pd.make_run("t", "static", 2, 3, outcomes, slo)
+    assert (run.requests, run.failed, run.good) == (4, 1, 1)
+    assert run.duration_s == pytest.approx(4.0)  # first arrival to last token
+    assert run.worker_seconds == pytest.approx(20.0)  # 5 workers x 4 s
+    assert run.attainment == pytest.approx(0.25) and run.goodput == pytest.approx(0.25)
+    assert run.goodput_per_worker_s == pytest.approx(0.05)
+    planner = pd.make_run("t", "planner", 1.5, 1.0, outcomes, slo, worker_seconds=10.0)
+    assert planner.goodput_per_worker_s == pytest.approx(0.1)
+    peak = pd.make_run("t", "static peak", 2, 3, outcomes, slo)
+    runs = [planner, peak]
+    pd.rate_vs_peak(runs)
+    assert planner.vs_peak == pytest.approx(2.0) and peak.vs_peak == pytest.approx(1.0)
+    assert "2.00x" in pd.table_md(runs)
+
+
+def test_planner_targets_peak_and_average_split():
+    ticks = [{"effects": {"scale_to": None}}, {"effects": {"scale_to": {"num_prefill": 3, "num_decode": None}}},
+             {"effects": {"scale_to": {"num_prefill": None, "num_decode": 4}}},
+             {"effects": {"scale_to": {"num_prefill": 1, "num_decode": 2}}}]
+    targets = pd.planner_targets(ticks)
+    assert targets == [(1, 1), (3, 1), (3, 4), (1, 2)]
+    assert pd.peak(targets) == (3, 4)
+    assert pd.peak([]) == (1, 1)
+    assert pd.average_splits(1.62, 2.19) == [(1, 3), (2, 2)]  # as benchmarks/planner.py split its 1.62P 2.19D
+    assert pd.average_splits(1.0, 1.0) == [(1, 1)]
+
+
+@pytest.mark.skipif(not pd.DYNAMO_PYTHON.exists(), reason="no .venv-dynamo (NVIDIA Dynamo 1.6.1) here")
+def test_dynamos_replay_runs_the_quick_trace(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([str(pd.DYNAMO_PYTHON), "-m", "benchmarks.planner_dynamo", "--quick", "--timing", "ours",
+                           "--planner-target", "throughput", "--out", str(out)], cwd=pd.ROOT, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summaries.json").read_text())
+    runs = summary["runs"]
+    assert [r["config"] for r in runs][:2] == ["Dynamo planner (throughput)", "static peak"]
+    assert all(r["requests"] == pd.QUICK_TRACE_REQUESTS for r in runs)
+    # our SLA arithmetic agrees with the count Dynamo's replay makes with the same bounds
+    assert all(r["good"] == r["dynamo_goodput_requests"] for r in runs)
+    assert summary["provenance"]["commit"]
