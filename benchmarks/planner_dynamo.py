@@ -1,7 +1,9 @@
-"""NVIDIA Dynamo's planner on the Mooncake conversation trace, in Dynamo's own offline replay, beside ours.
+"""NVIDIA Dynamo's planner on the sinusoid and the Mooncake conversation trace, in Dynamo's own offline
+replay, beside ours.
 
-    .venv-dynamo/bin/python -m benchmarks.planner_dynamo            # 100 rows, 2 timings x 2 targets (~10 s)
-    .venv-dynamo/bin/python -m benchmarks.planner_dynamo --quick    # 40 rows, as `benchmarks.planner --quick`
+    .venv-dynamo/bin/python -m benchmarks.planner_dynamo            # both workloads, 2 timings x 2 targets
+    .venv-dynamo/bin/python -m benchmarks.planner_dynamo --workloads sinusoid
+    .venv-dynamo/bin/python -m benchmarks.planner_dynamo --quick    # 40 Mooncake rows, as `benchmarks.planner --quick`
     python -m benchmarks.planner_dynamo                             # from .venv: re-runs itself in .venv-dynamo
 
 Run from the repository root. Dynamo 1.6.1 lives in .venv-dynamo (docs/benchmarks.md says how it is made);
@@ -9,10 +11,19 @@ started by any other Python this module runs itself again under --dynamo-python 
 .venv-dynamo/bin/python), bounded by --timeout-s.
 
 What runs: `dynamo.replay.run_trace_replay` (Dynamo's mocker in simulated time, its KV router, a disaggregated
-prefill + decode deployment) on the same trace rows `python -m benchmarks.planner --workloads mooncake` replays
-(the first --trace-requests rows that fit the 8192-token context, 512-token hash blocks, at the trace's own
-timestamps; our benchmark divides them by --speedup only because its mocker runs in real time, its figures are
-simulated time, as Dynamo's replay is). Per trace:
+prefill + decode deployment) on the same rows our benchmark replays, per --workloads:
+  sinusoid  the rows `python -m benchmarks.planner --quick --periods 2 --workloads sinusoid` replays (our
+            planner's main benchmark, docs/planner.md): Poisson arrivals whose rate follows --low .. --high
+            req/s (1 .. 24) over --periods (2) periods of --period-s (60 s), --isl (3000) / --osl (150) tokens,
+            every prompt's first block its own, --seed 0. They are made by benchmarks.planner's own
+            sinusoid_file, at speedup 1 (timestamps in simulated ms): that module imports our whole stack
+            (httpx and more), which .venv-dynamo lacks, so this one compiles those definitions
+            (sinusoid_times, sinusoid_file, DEFAULTS) out of benchmarks/planner.py's source, unchanged
+            (planner_sinusoid); a test holds the rows equal to the imported module's.
+  mooncake  the rows `python -m benchmarks.planner --workloads mooncake` replays (the first --trace-requests
+            rows that fit the 8192-token context, 512-token hash blocks, at the trace's own timestamps)
+Our benchmark divides the timestamps by --speedup only because its mocker runs in real time; its figures are
+simulated time, as Dynamo's replay is. Per workload, timing and planner target:
   planner         Dynamo's planner (`planner_config`, mode disagg) from 1 prefill + 1 decode worker
   static peak     the counts of the planner's target with the most workers in all, held the whole run
   static average  the planner's average worker count, split as it split it on average (rounded down and up)
@@ -45,10 +56,12 @@ Writes summaries.json and table.md into --out (benchmarks/results/planner_dynamo
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -62,6 +75,8 @@ from benchmarks import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
+PLANNER_SOURCE = ROOT / "benchmarks" / "planner.py"
+WORKLOADS = ("sinusoid", "mooncake")
 OUT = ROOT / "benchmarks" / "results" / "planner_dynamo"
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 # benchmarks/router_policies.py's (importing it would need our whole stack); a test holds them equal
@@ -71,6 +86,9 @@ TEMPLATE_TOKENS = 64  # router_policies leaves this much of the context to the c
 # benchmarks/planner.py's DEFAULTS: the SLOs, budget and --quick trace rows
 TTFT_SLO_MS, ITL_SLO_MS, BUDGET = 250.0, 8.0, 16
 TRACE_REQUESTS, QUICK_TRACE_REQUESTS = 100, 40
+# the sinusoid of `benchmarks.planner --quick --periods 2` (its DEFAULTS' low, high, quick_period_s, isl, osl;
+# benchmarks.session's --seed default); a test holds them equal to what that parse_args gives
+SINUSOID = dict(low=1.0, high=24.0, period_s=60.0, periods=2, isl=3000, osl=150, seed=0)
 # our mocker's worker, as benchmarks.planner starts it (dynamo_pd.cli's defaults, --kv-cache-memory-gb 54)
 KV_CACHE_GIB, BLOCK_TOKENS, MAX_NUM_SEQS, MAX_BATCHED_TOKENS = 54.0, 16, 64, 2048
 
@@ -130,6 +148,33 @@ def trace_rows(path: Path, rows: int | None) -> list[dict]:
     if rows is not None and len(kept) < rows:
         raise SystemExit(f"error: {path} holds only {len(kept)} rows that fit the context, not {rows}")
     return kept
+
+
+def planner_sinusoid() -> types.SimpleNamespace:
+    """benchmarks.planner's sinusoid_times, sinusoid_file and DEFAULTS, compiled from that file's own source
+    (those definitions alone, with the names they use): importing the module needs our whole stack."""
+    wanted = {"sinusoid_times", "sinusoid_file", "DEFAULTS"}
+    tree = ast.parse(PLANNER_SOURCE.read_text(), str(PLANNER_SOURCE))
+    body = [n for n in tree.body if (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+            or (isinstance(n, ast.FunctionDef) and n.name in wanted)
+            or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in n.targets))]
+    namespace: dict[str, Any] = {"__name__": "benchmarks.planner", "argparse": argparse, "json": json,
+                                 "math": math, "random": random, "Path": Path,
+                                 "TRACE_BLOCK_TOKENS": TRACE_BLOCK_TOKENS}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(PLANNER_SOURCE), "exec"), namespace)
+    if missing := wanted - namespace.keys():
+        raise SystemExit(f"error: {PLANNER_SOURCE} no longer defines {', '.join(sorted(missing))}")
+    return types.SimpleNamespace(**{name: namespace[name] for name in wanted})
+
+
+def sinusoid_rows(work: Path, low: float, high: float, period_s: float, periods: int, isl: int, osl: int,
+                  seed: int) -> list[dict]:
+    """The sinusoid's rows as benchmarks.planner.sinusoid_file writes them, at speedup 1: simulated ms."""
+    args = argparse.Namespace(low=low, high=high, period_s=period_s, periods=periods, isl=isl, osl=osl, seed=seed)
+    path, count = planner_sinusoid().sinusoid_file(work, args, 1.0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == count
+    return rows
 
 
 def outcome(record: dict) -> Outcome:
@@ -291,7 +336,7 @@ def planner_config(target: str, work: Path, interval_s: int) -> dict:
 
 def run_trace(label: str, rows: list[dict], timing: str, target: str, args: argparse.Namespace, slo: Slo,
               npz: Path, work: Path) -> tuple[list[Run], dict]:
-    trace = work / f"trace_{len(rows)}.jsonl"
+    trace = work / f"trace_{label.split(':')[0]}_{len(rows)}.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     t0 = time.monotonic()
     report = replay(trace, timing, npz, slo, 1, 1,
@@ -330,8 +375,19 @@ def run_trace(label: str, rows: list[dict], timing: str, target: str, args: argp
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.planner_dynamo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"{QUICK_TRACE_REQUESTS} trace rows")
-    p.add_argument("--trace-requests", type=int, help=f"rows ({TRACE_REQUESTS}; --quick {QUICK_TRACE_REQUESTS})")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (both)")
+    p.add_argument("--quick", action="store_true", help=f"mooncake: {QUICK_TRACE_REQUESTS} trace rows")
+    p.add_argument("--trace-requests", type=int,
+                   help=f"mooncake: rows ({TRACE_REQUESTS}; --quick {QUICK_TRACE_REQUESTS})")
+    p.add_argument("--periods", type=int, default=SINUSOID["periods"], help="sinusoid: periods (2)")
+    p.add_argument("--period-s", type=float, default=SINUSOID["period_s"],
+                   help="sinusoid: one period, simulated s (60)")
+    p.add_argument("--low", type=float, default=SINUSOID["low"], help="sinusoid: the lowest rate, req/s (1)")
+    p.add_argument("--high", type=float, default=SINUSOID["high"], help="sinusoid: the highest rate, req/s (24)")
+    p.add_argument("--isl", type=int, default=SINUSOID["isl"], help="sinusoid: input tokens per request (3000)")
+    p.add_argument("--osl", type=int, default=SINUSOID["osl"], help="sinusoid: output tokens per request (150)")
+    p.add_argument("--seed", type=int, default=SINUSOID["seed"], help="sinusoid: its arrivals' seed (0)")
     p.add_argument("--timing", default="ours,dynamo",
                    help="comma-separated engine timings, each a block of runs: ours (our mocker's H100 8B profile) "
                         "and dynamo (Dynamo's mocker defaults)")
@@ -348,6 +404,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.trace_requests is None:
         args.trace_requests = QUICK_TRACE_REQUESTS if args.quick else TRACE_REQUESTS
+    args.workloads = args.workloads.split(",")
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: unknown {', '.join(sorted(unknown))}; choose from {', '.join(WORKLOADS)}")
+    if not 0 < args.low < args.high:
+        p.error(f"need 0 < --low < --high, got {args.low:g}, {args.high:g}")
     args.timing = args.timing.split(",")
     if unknown := set(args.timing) - {"ours", "dynamo"}:
         p.error(f"--timing: unknown {', '.join(sorted(unknown))}")
@@ -376,13 +437,27 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="planner_dynamo_") as tmp:
         work = Path(tmp)
         npz = profile_npz(work / "h100_llama8b.npz")
-        rows = trace_rows(TRACE, args.trace_requests)
-        for timing in args.timing:
-            for target in args.planner_target:
-                label = f"{timing} timing, {target}"
-                found, details[label] = run_trace(label, rows, timing, target, args, slo, npz, work)
-                runs += found
-                print(table_md(found), flush=True)
+        traces: dict[str, str] = {}
+        for workload in args.workloads:
+            if workload == "sinusoid":
+                rows = sinusoid_rows(work, args.low, args.high, args.period_s, args.periods, args.isl, args.osl,
+                                     args.seed)
+                traces[workload] = (
+                    f"sinusoid: {len(rows)} requests, Poisson arrivals whose rate follows {args.low:g} .. "
+                    f"{args.high:g} req/s over {args.periods} periods of {args.period_s:g} s (seed {args.seed}), "
+                    f"{args.isl} input and {args.osl} output tokens, no prefix shared; the rows `python -m "
+                    f"benchmarks.planner --quick --periods 2` replays (benchmarks.planner.sinusoid_file, "
+                    f"timestamps in simulated ms)")
+            else:
+                rows = trace_rows(TRACE, args.trace_requests)
+                traces[workload] = (f"mooncake: the conversation trace's first {len(rows)} rows that fit "
+                                    f"{CONTEXT_TOKENS} tokens (of {sum(1 for _ in TRACE.open())}; no more fit)")
+            for timing in args.timing:
+                for target in args.planner_target:
+                    label = f"{workload}: {timing} timing, {target}"
+                    found, details[label] = run_trace(label, rows, timing, target, args, slo, npz, work)
+                    runs += found
+                    print(table_md(found), flush=True)
     timing = ("`ours`: our mocker's profile, Llama-3.1-8B bf16 on one H100 SXM (roofline), through Dynamo's "
               f"mocker NPZ timing; {KV_CACHE_GIB:g} GiB of KV, {BLOCK_TOKENS}-token blocks, {MAX_NUM_SEQS} "
               f"sequences, {MAX_BATCHED_TOKENS} batched tokens, 40 GB/s KV hand-off. `dynamo`: Dynamo's mocker "
@@ -391,15 +466,16 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"NVIDIA Dynamo {version('ai-dynamo')} offline replay (dynamo.replay.run_trace_replay), KV router, "
             f"disaggregated prefill + decode; all times simulated. Engine timing: {timing}. Planner: "
             f"optimization_target {' and '.join(args.planner_target)} (load-based; neither reads the SLOs), every "
-            f"{args.interval_s} s, GPU budget {BUDGET}, from 1P1D. Trace: its first {len(rows)} rows that fit "
-            f"{CONTEXT_TOKENS} tokens (of {sum(1 for _ in TRACE.open())}; no more fit). "
+            f"{args.interval_s} s, GPU budget {BUDGET}, from 1P1D. Workloads: {'; '.join(traces.values())}. "
             f"SLA: TTFT <= {slo.ttft_ms:g} ms and per-request "
             f"ITL <= {slo.itl_ms:g} ms (as benchmarks/planner.py). Planner worker-seconds are Dynamo's own "
             f"(prefill_worker_seconds + decode_worker_seconds); static ones workers x the window.")
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"title": "NVIDIA Dynamo's planner on the Mooncake conversation trace", "note": note,
-               "provenance": asdict(prov), "dynamo_version": version("ai-dynamo"), "slo": asdict(slo),
-               "timing": args.timing, "planner_target": args.planner_target, "runs": [asdict(r) for r in runs],
+    title = "NVIDIA Dynamo's planner on " + " and ".join(
+        {"sinusoid": "the sinusoid", "mooncake": "the Mooncake conversation trace"}[w] for w in args.workloads)
+    summary = {"title": title, "note": note, "provenance": asdict(prov), "dynamo_version": version("ai-dynamo"),
+               "slo": asdict(slo), "workloads": args.workloads, "timing": args.timing,
+               "planner_target": args.planner_target, "runs": [asdict(r) for r in runs],
                "details": details}
     (args.out / "summaries.json").write_text(json.dumps(summary, indent=1) + "\n")
     changes = "".join(f"\n{label}: the planner's targets (simulated s, (prefill, decode)): "

@@ -2,13 +2,14 @@
 TTFT/ITL, attainment, goodput, peak and average) on tiny inputs; Dynamo's replay itself only where
 .venv-dynamo exists (not in CI)."""
 
+import argparse
 import json
 import subprocess
 
 import pytest
 
+from benchmarks import planner, router_policies
 from benchmarks import planner_dynamo as pd
-from benchmarks import router_policies
 
 
 def test_the_trace_rules_are_router_policies_own():
@@ -36,6 +37,43 @@ def test_the_real_trace_gives_100_rows_as_our_benchmark_replays():
     rows = pd.trace_rows(pd.TRACE, pd.TRACE_REQUESTS)
     assert len(rows) == 100
     assert all(r["input_length"] + r["output_length"] <= pd.CONTEXT_TOKENS - pd.TEMPLATE_TOKENS for r in rows)
+
+
+def test_the_sinusoid_is_the_one_our_benchmark_replays_with_quick_and_2_periods():
+    ours = planner.parse_args(["--quick", "--periods", "2"])
+    assert pd.SINUSOID == {k: getattr(ours, k) for k in ("low", "high", "period_s", "periods", "isl", "osl", "seed")}
+    mine = pd.parse_args([])
+    assert mine.workloads == ["sinusoid", "mooncake"]
+    assert {k: getattr(mine, k) for k in pd.SINUSOID} == pd.SINUSOID
+    assert pd.parse_args(["--workloads", "sinusoid"]).workloads == ["sinusoid"]
+    with pytest.raises(SystemExit):
+        pd.parse_args(["--workloads", "square"])
+    # what the module compiles out of benchmarks/planner.py is that module's own code
+    compiled = pd.planner_sinusoid()
+    assert compiled.DEFAULTS == planner.DEFAULTS
+    assert compiled.sinusoid_times(1.0, 24.0, 60.0, 2, 0) == planner.sinusoid_times(1.0, 24.0, 60.0, 2, 0)
+
+
+def test_the_sinusoid_rows_are_what_benchmarks_planner_replays(tmp_path):
+    small = dict(low=1.0, high=6.0, period_s=10.0, periods=2, isl=1100, osl=20, seed=3)
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    rows = pd.sinusoid_rows(tmp_path / "a", **small)
+    times = planner.sinusoid_times(small["low"], small["high"], small["period_s"], small["periods"], small["seed"])
+    path, count = planner.sinusoid_file(tmp_path / "b", argparse.Namespace(**small), 1.0)
+    theirs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert 20 < len(rows) == count == len(times) == len(theirs)  # 2 periods at 3.5 req/s on average: ~70
+    assert rows == theirs  # timestamps, lengths and hash blocks alike
+    assert [r["timestamp"] for r in rows] == [round(t * 1e3) for t in times]  # simulated ms
+    assert all(r["input_length"] == 1100 and r["output_length"] == 20 for r in rows)
+    assert len({r["hash_ids"][0] for r in rows}) == len(rows)  # every first block its own: no shared prefix
+    assert all(len(r["hash_ids"]) == 3 for r in rows)  # 1100 tokens in 512-token blocks
+    # our benchmark's file at its --speedup 0.25 holds real ms: the same arrivals, to the rounding
+    path, _ = planner.sinusoid_file(tmp_path / "c", argparse.Namespace(**small), 0.25)
+    real = [json.loads(line)["timestamp"] for line in path.read_text().splitlines()]
+    assert len(real) == len(rows)
+    assert all(abs(ms * 0.25 - r["timestamp"]) <= 0.5 for ms, r in zip(real, rows))
+    assert pd.sinusoid_rows(tmp_path / "a", **{**small, "seed": 4}) != rows
 
 
 def test_a_record_becomes_ttft_and_aiperfs_per_request_itl():
@@ -85,9 +123,9 @@ def test_planner_targets_peak_and_average_split():
 @pytest.mark.skipif(not pd.DYNAMO_PYTHON.exists(), reason="no .venv-dynamo (NVIDIA Dynamo 1.6.1) here")
 def test_dynamos_replay_runs_the_quick_trace(tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run([str(pd.DYNAMO_PYTHON), "-m", "benchmarks.planner_dynamo", "--quick", "--timing", "ours",
-                           "--planner-target", "throughput", "--out", str(out)], cwd=pd.ROOT, timeout=300,
-                          capture_output=True, text=True)
+    done = subprocess.run([str(pd.DYNAMO_PYTHON), "-m", "benchmarks.planner_dynamo", "--workloads", "mooncake",
+                           "--quick", "--timing", "ours", "--planner-target", "throughput", "--out", str(out)],
+                          cwd=pd.ROOT, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summaries.json").read_text())
     runs = summary["runs"]
@@ -96,3 +134,20 @@ def test_dynamos_replay_runs_the_quick_trace(tmp_path):
     # our SLA arithmetic agrees with the count Dynamo's replay makes with the same bounds
     assert all(r["good"] == r["dynamo_goodput_requests"] for r in runs)
     assert summary["provenance"]["commit"]
+
+
+@pytest.mark.skipif(not pd.DYNAMO_PYTHON.exists(), reason="no .venv-dynamo (NVIDIA Dynamo 1.6.1) here")
+def test_dynamos_replay_runs_a_short_sinusoid_without_our_stack(tmp_path):
+    # .venv-dynamo cannot import benchmarks.planner: the rows come from its compiled source, the same count
+    out = tmp_path / "out"
+    done = subprocess.run([str(pd.DYNAMO_PYTHON), "-m", "benchmarks.planner_dynamo", "--workloads", "sinusoid",
+                           "--periods", "1", "--period-s", "10", "--high", "6", "--timing", "ours",
+                           "--planner-target", "throughput", "--out", str(out)], cwd=pd.ROOT, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summaries.json").read_text())
+    assert summary["workloads"] == ["sinusoid"]
+    runs = summary["runs"]
+    assert runs[0]["trace"] == "sinusoid: ours timing, throughput"
+    assert all(r["requests"] == len(planner.sinusoid_times(1.0, 6.0, 10.0, 1, 0)) for r in runs)
+    assert all(r["failed"] == 0 and r["good"] == r["dynamo_goodput_requests"] for r in runs)
