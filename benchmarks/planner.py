@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import deploy, report
+from benchmarks import deploy, report, sinusoid
 from benchmarks.aiperf_run import Record, Slo, Workload
 from benchmarks.router_policies import TRACE_BLOCK_TOKENS, trace_file
 from benchmarks.session import Session, add_common_args, fill_defaults, worker_args
@@ -92,33 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sinusoid_times(low: float, high: float, period_s: float, periods: int, seed: int) -> list[float]:
-    """Arrival times (simulated s) of a Poisson process whose rate follows the sinusoid, by thinning."""
-    rng, times, t, end = random.Random(seed), [], 0.0, period_s * periods
-    while True:
-        t += rng.expovariate(high)
-        if t >= end:
-            return times
-        rate = (low + high) / 2 - (high - low) / 2 * math.cos(2 * math.pi * t / period_s)
-        if rng.random() < rate / high:
-            times.append(t)
-
-
 def sinusoid_file(out: Path, args: argparse.Namespace, speedup: float) -> tuple[Path, int]:
-    """A mooncake_trace file of the sinusoid (timestamps in real ms): each prompt's first block is its own,
-    so no two share a cached prefix; the rest come from a small pool (aiperf builds each block once, at one
-    size: a last block shorter than the others is the prompt's own too)."""
-    blocks, partial = math.ceil(args.isl / TRACE_BLOCK_TOKENS), int(args.isl % TRACE_BLOCK_TOKENS != 0)
-    pool = 64
-    rng = random.Random(args.seed)
-    rows = [{"timestamp": round(t * 1e3 / speedup), "input_length": args.isl, "output_length": args.osl,
-             "hash_ids": [pool + 2 * i, *(rng.randrange(pool) for _ in range(blocks - 1 - partial)),
-                          *[pool + 2 * i + 1] * partial]}
-            for i, t in enumerate(sinusoid_times(args.low, args.high, args.period_s, args.periods,
-                                                 args.seed))]
+    """A mooncake_trace file of the sinusoid (benchmarks.sinusoid.rows, timestamps in real ms)."""
+    found = sinusoid.rows(args.low, args.high, args.period_s, args.periods, args.isl, args.osl, args.seed,
+                          TRACE_BLOCK_TOKENS, speedup)
     path = out / "sinusoid_trace.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path, len(rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in found))
+    return path, len(found)
 
 
 class PlannerScraper:

@@ -15,11 +15,8 @@ prefill + decode deployment) on the same rows our benchmark replays, per --workl
   sinusoid  the rows `python -m benchmarks.planner --quick --periods 2 --workloads sinusoid` replays (our
             planner's main benchmark, docs/planner.md): Poisson arrivals whose rate follows --low .. --high
             req/s (1 .. 24) over --periods (2) periods of --period-s (60 s), --isl (3000) / --osl (150) tokens,
-            every prompt's first block its own, --seed 0. They are made by benchmarks.planner's own
-            sinusoid_file, at speedup 1 (timestamps in simulated ms): that module imports our whole stack
-            (httpx and more), which .venv-dynamo lacks, so this one compiles those definitions
-            (sinusoid_times, sinusoid_file, DEFAULTS) out of benchmarks/planner.py's source, unchanged
-            (planner_sinusoid); a test holds the rows equal to the imported module's.
+            every prompt's first block its own, --seed 0: benchmarks.sinusoid's rows at speedup 1
+            (timestamps in simulated ms); a test holds the defaults equal to benchmarks.planner's.
   mooncake  the rows `python -m benchmarks.planner --workloads mooncake` replays (the first --trace-requests
             rows that fit the 8192-token context, 512-token hash blocks, at the trace's own timestamps)
 Our benchmark divides the timestamps by --speedup only because its mocker runs in real time; its figures are
@@ -56,12 +53,10 @@ Writes summaries.json and table.md into --out (benchmarks/results/planner_dynamo
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -71,11 +66,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import provenance
+from benchmarks import provenance, sinusoid
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
-PLANNER_SOURCE = ROOT / "benchmarks" / "planner.py"
 WORKLOADS = ("sinusoid", "mooncake")
 OUT = ROOT / "benchmarks" / "results" / "planner_dynamo"
 DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
@@ -150,31 +144,10 @@ def trace_rows(path: Path, rows: int | None) -> list[dict]:
     return kept
 
 
-def planner_sinusoid() -> types.SimpleNamespace:
-    """benchmarks.planner's sinusoid_times, sinusoid_file and DEFAULTS, compiled from that file's own source
-    (those definitions alone, with the names they use): importing the module needs our whole stack."""
-    wanted = {"sinusoid_times", "sinusoid_file", "DEFAULTS"}
-    tree = ast.parse(PLANNER_SOURCE.read_text(), str(PLANNER_SOURCE))
-    body = [n for n in tree.body if (isinstance(n, ast.ImportFrom) and n.module == "__future__")
-            or (isinstance(n, ast.FunctionDef) and n.name in wanted)
-            or (isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in wanted for t in n.targets))]
-    namespace: dict[str, Any] = {"__name__": "benchmarks.planner", "argparse": argparse, "json": json,
-                                 "math": math, "random": random, "Path": Path,
-                                 "TRACE_BLOCK_TOKENS": TRACE_BLOCK_TOKENS}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(PLANNER_SOURCE), "exec"), namespace)
-    if missing := wanted - namespace.keys():
-        raise SystemExit(f"error: {PLANNER_SOURCE} no longer defines {', '.join(sorted(missing))}")
-    return types.SimpleNamespace(**{name: namespace[name] for name in wanted})
-
-
-def sinusoid_rows(work: Path, low: float, high: float, period_s: float, periods: int, isl: int, osl: int,
-                  seed: int) -> list[dict]:
-    """The sinusoid's rows as benchmarks.planner.sinusoid_file writes them, at speedup 1: simulated ms."""
-    args = argparse.Namespace(low=low, high=high, period_s=period_s, periods=periods, isl=isl, osl=osl, seed=seed)
-    path, count = planner_sinusoid().sinusoid_file(work, args, 1.0)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(rows) == count
-    return rows
+def sinusoid_rows(low: float, high: float, period_s: float, periods: int, isl: int, osl: int, seed: int
+                  ) -> list[dict]:
+    """The sinusoid's rows as benchmarks.planner replays them, at speedup 1: timestamps in simulated ms."""
+    return sinusoid.rows(low, high, period_s, periods, isl, osl, seed, TRACE_BLOCK_TOKENS)
 
 
 def outcome(record: dict) -> Outcome:
@@ -440,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         traces: dict[str, str] = {}
         for workload in args.workloads:
             if workload == "sinusoid":
-                rows = sinusoid_rows(work, args.low, args.high, args.period_s, args.periods, args.isl, args.osl,
+                rows = sinusoid_rows(args.low, args.high, args.period_s, args.periods, args.isl, args.osl,
                                      args.seed)
                 traces[workload] = (
                     f"sinusoid: {len(rows)} requests, Poisson arrivals whose rate follows {args.low:g} .. "

@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks.aiperf_run import Record, Slo
 from benchmarks import deploy
-from benchmarks.planner import (intervals, parse_args, peak_counts, planner_url, prediction_md, sinusoid_file,
-                                sinusoid_times)
+from benchmarks.planner import intervals, parse_args, peak_counts, planner_url, prediction_md, sinusoid_file
+from benchmarks.sinusoid import times as sinusoid_times
 
 
 def test_sinusoid_arrivals_follow_the_rate_from_low_to_high_and_back():

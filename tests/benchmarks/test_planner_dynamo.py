@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import planner, router_policies
+from benchmarks import planner, router_policies, sinusoid
 from benchmarks import planner_dynamo as pd
 
 
@@ -48,18 +48,14 @@ def test_the_sinusoid_is_the_one_our_benchmark_replays_with_quick_and_2_periods(
     assert pd.parse_args(["--workloads", "sinusoid"]).workloads == ["sinusoid"]
     with pytest.raises(SystemExit):
         pd.parse_args(["--workloads", "square"])
-    # what the module compiles out of benchmarks/planner.py is that module's own code
-    compiled = pd.planner_sinusoid()
-    assert compiled.DEFAULTS == planner.DEFAULTS
-    assert compiled.sinusoid_times(1.0, 24.0, 60.0, 2, 0) == planner.sinusoid_times(1.0, 24.0, 60.0, 2, 0)
 
 
 def test_the_sinusoid_rows_are_what_benchmarks_planner_replays(tmp_path):
     small = dict(low=1.0, high=6.0, period_s=10.0, periods=2, isl=1100, osl=20, seed=3)
-    for name in "abc":
+    for name in "bc":
         (tmp_path / name).mkdir()
-    rows = pd.sinusoid_rows(tmp_path / "a", **small)
-    times = planner.sinusoid_times(small["low"], small["high"], small["period_s"], small["periods"], small["seed"])
+    rows = pd.sinusoid_rows(**small)
+    times = sinusoid.times(small["low"], small["high"], small["period_s"], small["periods"], small["seed"])
     path, count = planner.sinusoid_file(tmp_path / "b", argparse.Namespace(**small), 1.0)
     theirs = [json.loads(line) for line in path.read_text().splitlines()]
     assert 20 < len(rows) == count == len(times) == len(theirs)  # 2 periods at 3.5 req/s on average: ~70
@@ -73,7 +69,7 @@ def test_the_sinusoid_rows_are_what_benchmarks_planner_replays(tmp_path):
     real = [json.loads(line)["timestamp"] for line in path.read_text().splitlines()]
     assert len(real) == len(rows)
     assert all(abs(ms * 0.25 - r["timestamp"]) <= 0.5 for ms, r in zip(real, rows))
-    assert pd.sinusoid_rows(tmp_path / "a", **{**small, "seed": 4}) != rows
+    assert pd.sinusoid_rows(**{**small, "seed": 4}) != rows
 
 
 def test_a_record_becomes_ttft_and_aiperfs_per_request_itl():
@@ -149,5 +145,5 @@ def test_dynamos_replay_runs_a_short_sinusoid_without_our_stack(tmp_path):
     assert summary["workloads"] == ["sinusoid"]
     runs = summary["runs"]
     assert runs[0]["trace"] == "sinusoid: ours timing, throughput"
-    assert all(r["requests"] == len(planner.sinusoid_times(1.0, 6.0, 10.0, 1, 0)) for r in runs)
+    assert all(r["requests"] == len(sinusoid.times(1.0, 6.0, 10.0, 1, 0)) for r in runs)
     assert all(r["failed"] == 0 and r["good"] == r["dynamo_goodput_requests"] for r in runs)
