@@ -10,6 +10,9 @@ the rest goes, a worker at a time, to the pool furthest short of its need (unmee
 planner holds the budget's maximum). A pool shrinks only `cooldown_s` after it last grew, so a load
 that swings around a threshold turns it at most once a cool-down; it grows at once, and a falling load
 shrinks it interval after interval.
+Counts are chosen for the load planned for (the forecast with its margins, predict.py); what a decision
+predicts for the next interval is at the rate forecast itself (PoolPlan.expected), the planner's best guess
+of what its requests will see.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ class PoolPlan:
     current: int  # workers the connector has (serving or starting)
     minimum: int
     maximum: int
-    model: PoolModel | None  # None: too little known yet to predict
+    model: PoolModel | None  # at the load planned for; None: too little known yet to predict
     waiting_for: str = ""  # why model is None
     last_growth: float | None = None  # clock time the pool last grew
+    expected: PoolModel | None = None  # at the load forecast, without the planning's margins: what is predicted
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Decision:
     current: int
     target: int
     reason: str
-    prediction: Prediction | None = None  # at target
+    prediction: Prediction | None = None  # at target, of the load forecast (PoolPlan.expected)
     unmeetable: bool = False
 
     @property
@@ -149,12 +153,15 @@ def decide(plans: list[PoolPlan], budget: int, slo: Slo, cooldown_s: float, now:
     decisions = []
     for plan in plans:
         target = targets[plan.pool]
-        prediction = None if plan.model is None else plan.model.predict(target, slo.ttft_s)
         verb = "up" if target > plan.current else "down" if target < plan.current else "hold"
         reason = f"{verb} {plan.current} -> {target}: {why[plan.pool]}"
-        if prediction is not None:
-            reason += "; " + describe(prediction, target, slo)
+        prediction = None
+        if plan.model is not None:
+            prediction = (plan.expected or plan.model).predict(target, slo.ttft_s)
+            reason += "; planned for, " + describe(plan.model.predict(target, slo.ttft_s), target, slo)
             if verb == "up" and target - 1 >= plan.minimum:
                 reason += "; " + describe(plan.model.predict(target - 1, slo.ttft_s), target - 1, slo)
+            if plan.expected is not None:
+                reason += "; at the rate forecast, " + describe(prediction, target, slo)
         decisions.append(Decision(plan.pool, plan.current, target, reason, prediction, unmeetable[plan.pool]))
     return decisions

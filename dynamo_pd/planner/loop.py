@@ -115,8 +115,10 @@ class Planner:
                               decodes=decodes, horizon_s=cfg.interval_s, attainment=cfg.attainment)
             self._calibrate(seen, dataclasses.replace(model, load=_observed_load(seen, load), state=state))
             model = dataclasses.replace(model, offsets=self.offsets[pool])
+        expected = None if model is None else dataclasses.replace(
+            model, load=dataclasses.replace(load, rate=self.forecasts[pool].rate.forecast()))
         return PoolPlan(pool, current, cfg.min_workers(pool), cfg.max_workers(pool), model, missing,
-                        self._last_growth.get(pool)), load
+                        self._last_growth.get(pool), expected), load
 
     def _calibrate(self, seen: PoolObservation, past: PoolModel) -> None:
         """Update the pool's offsets from the interval that ended, `past` its model (without offsets)."""
@@ -183,7 +185,8 @@ class Planner:
                     "queued_prefill_tokens": seen.queued_prefill_tokens, "running": seen.running,
                     "measured_ttft_p50": _median(seen.ttfts), "measured_itl_p50": _median(seen.itls),
                     "offsets": dataclasses.asdict(self.offsets.get(d.pool, Offsets())),
-                    "predicted_rate": None if load is None else load.rate,
+                    "predicted_rate": None if load is None else load.rate,  # planned for
+                    "forecast_rate": self.forecasts[d.pool].rate.forecast(),
                     "rate_shortfall": self.forecasts[d.pool].shortfall,
                     "predicted_prompt_tokens": None if load is None else load.mean_prompt_tokens,
                     "prediction": prediction, "unmeetable": d.unmeetable, "reason": d.reason}) + "\n")
@@ -204,7 +207,7 @@ def _weigh(offset: float | None, error: float) -> float | None:
 def _observed_load(seen: PoolObservation, planned: Load) -> Load:
     """The load the interval that ended had: its own arrivals (planned's lengths where it had none)."""
     if not seen.arrivals:
-        return dataclasses.replace(planned, rate=0.0, slope=0.0)
+        return dataclasses.replace(planned, rate=0.0)
     tokens = tuple(a.prefill_tokens for a in seen.arrivals)
-    return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, slope=0.0, prompt_tokens=tokens,
+    return dataclasses.replace(planned, rate=len(tokens) / seen.interval_s, prompt_tokens=tokens,
                                prompt_blocks=sum(a.blocks for a in seen.arrivals) / len(tokens))

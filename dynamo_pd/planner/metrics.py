@@ -1,8 +1,10 @@
 """The planner's Prometheus metrics, every series labelled by pool.
 
-  dynamo_pd_planner_predicted_requests_per_second    the next interval's predicted arrival rate
+  dynamo_pd_planner_predicted_requests_per_second    the arrival rate planned for (the forecast with its
+                                                     margins, dynamo_pd.planner.predict)
   dynamo_pd_planner_predicted_prompt_tokens          its mean uncached prompt tokens per request
-  dynamo_pd_planner_predicted_ttft_seconds           the predicted median TTFT at the chosen count
+  dynamo_pd_planner_predicted_ttft_seconds           the predicted median TTFT at the chosen count (these
+                                                     four at the rate forecast, without the margins)
   dynamo_pd_planner_predicted_ttft_attainment        the predicted share of requests within --ttft-slo
   dynamo_pd_planner_predicted_itl_seconds            the predicted mean ITL
   dynamo_pd_planner_predicted_itl_quantile_seconds   the predicted ITL at the --slo-attainment quantile
@@ -40,7 +42,7 @@ class PlannerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(_P + name, doc, ["pool"], registry=r)
 
-        self.rate = gauge("predicted_requests_per_second", "Predicted arrival rate, next interval")
+        self.rate = gauge("predicted_requests_per_second", "Arrival rate planned for, next interval")
         self.prompt_tokens = gauge("predicted_prompt_tokens", "Predicted uncached prompt tokens a request")
         self.ttft = gauge("predicted_ttft_seconds", "Predicted median TTFT at the chosen worker count")
         self.ttft_attainment = gauge("predicted_ttft_attainment", "Predicted share within the TTFT SLO")

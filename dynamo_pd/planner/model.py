@@ -1,8 +1,7 @@
 """What a pool of n workers would give the next interval's load: predicted TTFT and ITL.
 
 TTFT (prefill and aggregated pools): the interval is simulated, its requests' first tokens timed.
-  arrivals  Poisson, at the load's rate along its slope (a falling ramp's arrivals are denser early),
-            prompts drawn from the recent ones (their uncached tokens)
+  arrivals  Poisson at the load's rate, prompts drawn from the recent ones (their uncached tokens)
   placement on the worker whose queued work ends first (the router's `time` policy)
   steps     each worker runs steps of up to chunk_tokens prefill tokens (--max-num-batched-tokens) from
             its queue in order, a step of k tokens taking c * k + s0 (c: seconds per prefill token; s0: the
@@ -54,11 +53,10 @@ class Costs:
 class Load:
     """A pool's predicted load over the next interval."""
 
-    rate: float  # requests/s placed on the pool (at the interval's start)
+    rate: float  # requests/s placed on the pool
     prompt_tokens: tuple[int, ...]  # uncached prompt tokens of recent requests: their lengths' shape
     prompt_blocks: float = 0.0  # mean KV blocks of a prompt (decode side)
     output_tokens: float = 0.0  # mean output tokens per request
-    slope: float = 0.0  # requests/s per second over the interval: the rate at t is rate + slope * t
 
     @cached_property
     def mean_prompt_tokens(self) -> float:
@@ -194,18 +192,14 @@ class PoolModel:
         return not self.decodes or self.itl(n)[1] <= itl_slo_s
 
 
-def _arrivals(rng: random.Random, load: Load, horizon_s: float) -> list[float]:
-    """Poisson arrival times over [0, horizon] at rate + slope * t (thinned from its highest)."""
-    def rate(t: float) -> float:
-        return max(0.0, load.rate + load.slope * t)
-
-    top, t, times = max(rate(0.0), rate(horizon_s)), 0.0, []
-    while top > 0:
-        t += rng.expovariate(top)
+def _arrivals(rng: random.Random, rate: float, horizon_s: float) -> list[float]:
+    """Poisson arrival times over [0, horizon]."""
+    t, times = 0.0, []
+    while rate > 0:
+        t += rng.expovariate(rate)
         if t >= horizon_s:
             break
-        if rng.random() * top < rate(t):
-            times.append(t)
+        times.append(t)
     return times
 
 
@@ -218,7 +212,7 @@ def _simulate(model: PoolModel, n: int) -> list[float]:
     rng, ttfts = random.Random(0), []  # seed 0: the same arrivals for every n
     for replay in range(_SIM_REPLAYS):
         # an interval without arrivals: what one arriving at its start would see
-        times = _arrivals(rng, model.load, horizon) or ([0.0] if replay == _SIM_REPLAYS - 1 and not ttfts else [])
+        times = _arrivals(rng, model.load.rate, horizon) or ([0.0] if replay == _SIM_REPLAYS - 1 and not ttfts else [])
         backlog = model.state.queued_prefill_tokens / n
         workers = [_Worker(per_token, fixed, chunk, backlog) for _ in range(n)]
         for t in times:

@@ -5,9 +5,8 @@ lengths of its requests.
     trend      Holt's linear smoothing: a level and a slope, each an exponentially weighted mean of what
                the intervals showed (the level: the last interval's mean rate, its middle half an interval ago)
 The rate planned for is the highest the forecast expects until the next decision's workers could serve:
-an interval and a scale-up's time (the last one's) ahead for a rising rate (what was decided now is all
-there is until then), held over the interval; a falling one from now (a pool shrunk now serves the rate
-of now) along the forecast's slope, so that the model sees the interval's arrivals denser at its start.
+from now (a falling rate: a pool shrunk now serves the rate of now) to an interval and a scale-up's time
+(the last one's) ahead (a rising rate: what was decided now is all there is until then).
 What the forecasts fell short by beyond chance (the arrivals past the count expected and one Poisson standard
 deviation of it), averaged over the intervals (SHORTFALL_WEIGHT), is added to the rate planned for: a linear
 trend lags a load that accelerates (a ramp's start) and overshoots a trough, and missing the SLO costs more
@@ -72,7 +71,6 @@ class LoadForecast:
     rate: Series = field(init=False)
     recent: deque[Arrival] = field(default_factory=lambda: deque(maxlen=WINDOW))
     shortfall: float = 0.0  # req/s the recent forecasts missed beyond chance, added to the rate planned for
-    interval_s: float = 0.0  # the last interval's length
 
     def __post_init__(self) -> None:
         self.rate = Series(self.kind)
@@ -83,7 +81,6 @@ class LoadForecast:
             short = max(0.0, len(arrivals) - expected - math.sqrt(expected)) / interval_s
             self.shortfall += SHORTFALL_WEIGHT * (short - self.shortfall)
         self.rate.update(len(arrivals) / interval_s)
-        self.interval_s = interval_s
         self.recent.extend(arrivals)
 
     def load(self, output_tokens: float, ready_intervals: float = 1.0) -> Load | None:
@@ -93,8 +90,7 @@ class LoadForecast:
         rate k - 1/2 ahead."""
         if self.rate.level is None:
             return None
-        now, later = self.rate.forecast(0.5), self.rate.forecast(1.5 + ready_intervals)
-        slope = 0.0 if later >= now else (self.rate.forecast(1.5) - now) / self.interval_s
+        rate = max(self.rate.forecast(0.5), self.rate.forecast(1.5 + ready_intervals)) + self.shortfall
         blocks = sum(a.blocks for a in self.recent) / len(self.recent) if self.recent else 0.0
-        return Load(rate=max(now, later) + self.shortfall, prompt_tokens=tuple(a.prefill_tokens for a in self.recent),
-                    prompt_blocks=blocks, output_tokens=output_tokens, slope=slope)
+        return Load(rate=rate, prompt_tokens=tuple(a.prefill_tokens for a in self.recent), prompt_blocks=blocks,
+                    output_tokens=output_tokens)

