@@ -171,10 +171,13 @@ class PoolModel:
         ttfts = self._ttfts(n)
         return 0.0 if ttfts is None else sum(t <= slo_s for t in ttfts) / len(ttfts)
 
-    def ttft_p50(self, n: int) -> float:
-        """The predicted median TTFT with n workers (inf past the pool's capacity)."""
+    def ttft_quantile(self, n: int, q: float) -> float:
+        """The predicted TTFT at quantile q with n workers (inf past the pool's capacity)."""
         ttfts = self._ttfts(n)
-        return math.inf if ttfts is None else ttfts[len(ttfts) // 2]
+        return math.inf if ttfts is None else ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]
+
+    def ttft_p50(self, n: int) -> float:
+        return self.ttft_quantile(n, 0.5)
 
     def utilization(self, n: int) -> float:
         per_token, fixed = self._service(n)
