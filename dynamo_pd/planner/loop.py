@@ -86,7 +86,7 @@ class Planner:
             if decision.change:
                 self._scale(decision)
         if self.config.record is not None:
-            self._record(decisions, observations, loads)
+            self._record(decisions, observations, loads, {p.pool: p.model for p in plans})
         return decisions
 
     def _plan(self, seen: PoolObservation, current: int) -> tuple[PoolPlan, Load | None]:
@@ -172,10 +172,10 @@ class Planner:
         await asyncio.gather(*self._scaling.values(), return_exceptions=True)
 
     def _record(self, decisions: list[Decision], observations: dict[str, PoolObservation],
-                loads: dict[str, Load | None]) -> None:
+                loads: dict[str, Load | None], models: dict[str, PoolModel | None]) -> None:
         with self.config.record.open("a") as out:
             for d in decisions:
-                seen, load = observations[d.pool], loads[d.pool]
+                seen, load, model = observations[d.pool], loads[d.pool], models[d.pool]
                 prediction = None if d.prediction is None else {
                     k: None if v is None or math.isinf(v) else v for k, v in dataclasses.asdict(d.prediction).items()}
                 out.write(json.dumps({
@@ -185,6 +185,9 @@ class Planner:
                     "queued_prefill_tokens": seen.queued_prefill_tokens, "running": seen.running,
                     "measured_ttft_p50": _median(seen.ttfts), "measured_itl_p50": _median(seen.itls),
                     "offsets": dataclasses.asdict(self.offsets.get(d.pool, Offsets())),
+                    # what the model was given: enough to run it again on other arrivals (benchmarks.planner)
+                    "costs": None if model is None else dataclasses.asdict(model.costs),
+                    "limits": None if model is None else dataclasses.asdict(model.limits),
                     "predicted_rate": None if load is None else load.rate,  # planned for
                     "forecast_rate": self.forecasts[d.pool].rate.forecast(),
                     "rate_shortfall": self.forecasts[d.pool].shortfall,

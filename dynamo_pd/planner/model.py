@@ -179,6 +179,13 @@ class PoolModel:
     def ttft_p50(self, n: int) -> float:
         return self.ttft_quantile(n, 0.5)
 
+    def ttft_p50_given(self, n: int, arrivals: list[tuple[float, int]]) -> float | None:
+        """The median TTFT, offset included, of requests arriving as given (s from the interval's start,
+        uncached prompt tokens) rather than at the load's rate: the model apart from the forecast (None
+        without arrivals)."""
+        ttfts = sorted(_serve(self, n, sorted(arrivals)))
+        return ttfts[len(ttfts) // 2] + (self.offsets.ttft_p50 or 0.0) if ttfts else None
+
     def utilization(self, n: int) -> float:
         per_token, fixed = self._service(n)
         steps = math.ceil(self.load.mean_prompt_tokens / self.limits.chunk_tokens) or 1
@@ -209,24 +216,31 @@ def _arrivals(rng: random.Random, rate: float, horizon_s: float) -> list[float]:
 def _simulate(model: PoolModel, n: int) -> list[float]:
     """TTFTs of the requests arriving over the interval (replayed until SIM_REQUESTS), on n workers that
     place each on the one whose work ends first and run chunked prefill steps (the module's docstring)."""
-    per_token, fixed = model._service(n)
-    chunk, horizon = model.limits.chunk_tokens, model.horizon_s
-    prompts = model.load.prompt_tokens or (0,)
     rng, ttfts = random.Random(0), []  # seed 0: the same arrivals for every n
     for replay in range(_SIM_REPLAYS):
         # an interval without arrivals: what one arriving at its start would see
-        times = _arrivals(rng, model.load.rate, horizon) or ([0.0] if replay == _SIM_REPLAYS - 1 and not ttfts else [])
-        backlog = model.state.queued_prefill_tokens / n
-        workers = [_Worker(per_token, fixed, chunk, backlog) for _ in range(n)]
-        for t in times:
-            tokens = max(1, rng.choice(prompts))
-            worker = min(workers, key=lambda w: w.done_at)
-            worker.run_until(t, ttfts)
-            worker.add(t, tokens)
-        for worker in workers:
-            worker.run_until(math.inf, ttfts)
+        times = _arrivals(rng, model.load.rate, model.horizon_s) or (
+            [0.0] if replay == _SIM_REPLAYS - 1 and not ttfts else [])
+        prompts = model.load.prompt_tokens or (0,)
+        ttfts += _serve(model, n, [(t, rng.choice(prompts)) for t in times])
         if len(ttfts) >= SIM_REQUESTS:
             break
+    return ttfts
+
+
+def _serve(model: PoolModel, n: int, arrivals: list[tuple[float, int]]) -> list[float]:
+    """The TTFTs of requests arriving as (s from the interval's start, in order; uncached prompt tokens) on n
+    workers, behind the prefill queued now."""
+    per_token, fixed = model._service(n)
+    ttfts: list[float] = []
+    workers = [_Worker(per_token, fixed, model.limits.chunk_tokens, model.state.queued_prefill_tokens / n)
+               for _ in range(n)]
+    for t, tokens in arrivals:
+        worker = min(workers, key=lambda w: w.done_at)
+        worker.run_until(t, ttfts)
+        worker.add(t, max(1, tokens))
+    for worker in workers:
+        worker.run_until(math.inf, ttfts)
     return ttfts
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks.aiperf_run import Record, Slo
 from benchmarks import deploy
-from benchmarks.planner import intervals, parse_args, peak_counts, planner_url, prediction_md, sinusoid_file
+from benchmarks.planner import (intervals, model_on, parse_args, peak_counts, planner_url, prediction_md,
+                                sinusoid_file)
 from benchmarks.sinusoid import times as sinusoid_times
 
 
@@ -103,3 +104,16 @@ def test_metrics_urls_come_from_serves_lines_once_what_is_wanted_is_there(tmp_pa
     log.write_text(log.read_text() + "dynamo-pd metrics: planner at http://127.0.0.1:4/metrics\n")
     assert planner_url(log) == "http://127.0.0.1:4/metrics"
     assert deploy.worker_metrics_urls(log, 3) == ["http://127.0.0.1:2/metrics", "http://127.0.0.1:3/metrics"]
+
+
+def test_the_model_is_run_again_on_the_arrivals_an_interval_had():
+    decision = {"pool": "prefill", "target": 1, "interval_s": 20.0, "queued_prefill_tokens": 0,
+                "forecast_rate": 1.0, "prediction": {"ttft_p50_s": 0.3},
+                "offsets": {"ttft_p50": 0.01, "itl_mean": None, "itl_quantile": None},
+                "costs": {"prefill_s_per_token": 25e-6, "decode_s": 0.0, "decode_s_per_block": 0.0},
+                "limits": {"max_num_seqs": 64, "kv_blocks": 10_000, "block_size": 16, "chunk_tokens": 2048}}
+    assert model_on(decision, [(1.0, 3000)]) == pytest.approx(3000 * 25e-6 + 0.01)  # alone: its prefill
+    # three at once: 2048-token steps of 25e-6 s a token end the prompts at 4096, 6144 and 9000 tokens
+    assert model_on(decision, [(1.0, 3000)] * 3) == pytest.approx(6144 * 25e-6 + 0.01)
+    assert model_on({**decision, "pool": "decode"}, [(1.0, 3000)]) is None
+    assert model_on({**decision, "costs": None}, [(1.0, 3000)]) is None  # a record from before the costs
