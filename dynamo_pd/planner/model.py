@@ -28,6 +28,7 @@ latencies observed (dynamo_pd.planner.loop), 0 until then.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections import deque
@@ -169,7 +170,7 @@ class PoolModel:
     def ttft_attainment(self, n: int, slo_s: float) -> float:
         """The share of requests predicted to see TTFT <= slo_s with n workers."""
         ttfts = self._ttfts(n)
-        return 0.0 if ttfts is None else sum(t <= slo_s for t in ttfts) / len(ttfts)
+        return 0.0 if ttfts is None else bisect.bisect_right(ttfts, slo_s) / len(ttfts)
 
     def ttft_quantile(self, n: int, q: float) -> float:
         """The predicted TTFT at quantile q with n workers (inf past the pool's capacity)."""
