@@ -8,9 +8,9 @@ TTFT (prefill and aggregated pools): the interval is simulated, its requests' fi
             decode step an aggregated worker's chunks ride, 0 on a prefill worker, whose c carries it); a
             request's first token comes at the end of the step that computes its last prompt token
   state     the prefill queued now, spread over the n workers, ahead of every arrival
-Chunking is why: the step that finishes a prompt also starts the next one's, so a request that arrives
-while one is computed delays it too, and more than rho of the requests wait on one worker (the mocker's
-TTFT p50 at 3, 6 and 9 req/s of 3000-token prompts: 80, 106 and 148 ms, where M/D/1 gives 78, 78, 122).
+Chunking is why it is simulated: the step that finishes a prompt also starts the next one's, so a request
+that arrives while one is computed delays that one too (benchmarks.planner_model sets it beside mocker
+workers and beside whole-prompt steps, an M/D/n queue).
 The share of the simulated requests within the SLO is the attainment, their median the predicted p50;
 SIM_REQUESTS of them at least (the interval replayed from its start with new arrivals), on the same
 random arrivals for every n so that counts compare without noise.
