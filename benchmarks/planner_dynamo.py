@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import provenance, sinusoid
+from benchmarks.aiperf_run import Slo
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
@@ -85,12 +86,6 @@ TRACE_REQUESTS, QUICK_TRACE_REQUESTS = 100, 40
 SINUSOID = dict(low=1.0, high=24.0, period_s=60.0, periods=2, isl=3000, osl=150, seed=0)
 # our mocker's worker, as benchmarks.planner starts it (dynamo_pd.cli's defaults, --kv-cache-memory-gb 54)
 KV_CACHE_GIB, BLOCK_TOKENS, MAX_NUM_SEQS, MAX_BATCHED_TOKENS = 54.0, 16, 64, 2048
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_ms: float
-    itl_ms: float
 
 
 @dataclass(frozen=True)
