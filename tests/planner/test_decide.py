@@ -94,3 +94,12 @@ def test_waiting_for_costs_holds():
     (d,) = decide(plan, budget=8, slo=SLO, cooldown_s=30, now=100)
     assert (d.target, d.prediction) == (3, None)
     assert d.reason == "hold 3 -> 3: waiting for decode step costs (a request served)"
+
+
+def test_the_count_is_for_the_load_planned_for_and_the_prediction_for_the_forecast():
+    planned = PoolPlan("prefill", 1, 1, 8, prefill(20.0), expected=prefill(5.0))
+    d = decide([planned], budget=16, slo=SLO, cooldown_s=30, now=100)[0]
+    assert d.target == by_pool(decide(plans(20.0, 1.0), budget=16, slo=SLO, cooldown_s=30, now=100))["prefill"].target
+    assert d.prediction == prefill(5.0).predict(d.target, SLO.ttft_s)  # not the rate planned for
+    assert d.prediction.utilization < prefill(20.0).predict(d.target, SLO.ttft_s).utilization
+    assert "planned for, " in d.reason and "at the rate forecast, " in d.reason
