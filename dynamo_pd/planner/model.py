@@ -218,11 +218,11 @@ def _simulate(model: PoolModel, n: int) -> list[float]:
     """TTFTs of the requests arriving over the interval (replayed until SIM_REQUESTS), on n workers that
     place each on the one whose work ends first and run chunked prefill steps (the module's docstring)."""
     rng, ttfts = random.Random(0), []  # seed 0: the same arrivals for every n
+    prompts = model.load.prompt_tokens or (0,)
     for replay in range(_SIM_REPLAYS):
         # an interval without arrivals: what one arriving at its start would see
         times = _arrivals(rng, model.load.rate, model.horizon_s) or (
             [0.0] if replay == _SIM_REPLAYS - 1 and not ttfts else [])
-        prompts = model.load.prompt_tokens or (0,)
         ttfts += _serve(model, n, [(t, rng.choice(prompts)) for t in times])
         if len(ttfts) >= SIM_REQUESTS:
             break
